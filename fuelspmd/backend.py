@@ -1,0 +1,189 @@
+"""Devices and the array libraries behind them.
+
+Layer 1: imports ``errors`` and ``dtypes`` only. A :class:`Device` names where a tensor
+lives (``cpu:0``, ``cuda:1``, ``strict:0``); its :class:`Backend` holds the Array API
+namespace the graph's kernels are written against, and the moves between libraries.
+
+Backends are looked up by the device kind and their library imported on first use, so
+importing fuelspmd never imports cupy:
+
+- ``cpu``    numpy (through array-api-compat), host memory.
+- ``cuda``   cupy (through array-api-compat), device memory of one GPU.
+- ``strict`` array-api-strict on the host: rejects anything outside the standard, so the
+             tests catch a numpy-only call in a kernel before it fails on a GPU, and a
+             group mixing ``cpu`` and ``strict`` exercises the cross-library path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.errors import DeviceError, DTypeError
+
+__all__ = ["Backend", "Device", "cuda_device_count", "device", "get_backend", "to_host", "transfer"]
+
+_KINDS = ("cpu", "cuda", "strict")
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A device: ``kind`` is one of cpu, cuda, strict; ``index`` counts from 0."""
+
+    kind: str
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise DeviceError(f"unknown device kind {self.kind!r}; use one of {list(_KINDS)}")
+        if self.index < 0:
+            raise DeviceError(f"device index must be >= 0, got {self.index}")
+
+    @property
+    def library(self) -> str:
+        """The array library that holds this device's arrays."""
+        return {"cpu": "numpy", "cuda": "cupy", "strict": "array_api_strict"}[self.kind]
+
+    @property
+    def on_host(self) -> bool:
+        """Whether arrays on this device live in host memory (cpu and strict do)."""
+        return self.kind != "cuda"
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"Device('{self}')"
+
+
+def device(x: Device | str | None) -> Device:
+    """Parse ``"cpu"``, ``"cpu:1"``, ``"cuda:0"``, ``"strict:0"`` (or pass a Device through)."""
+    if x is None:
+        return Device("cpu", 0)
+    if isinstance(x, Device):
+        return x
+    if not isinstance(x, str):
+        raise DeviceError(f"a device is a string like 'cpu:0' or 'cuda:1', got {x!r}")
+    kind, _, index = x.strip().partition(":")
+    if index and not index.isdigit():
+        raise DeviceError(f"device {x!r}: the index after ':' must be a number, as in 'cuda:1'")
+    return Device(kind, int(index) if index else 0)
+
+
+def cuda_device_count() -> int:
+    """Count the CUDA devices cupy can see (0 when cupy or a driver is missing)."""
+    try:
+        import cupy
+    except ImportError:
+        return 0
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device: cupy raises its own CUDARuntimeError
+        return 0
+
+
+class Backend:
+    """The array library of one device kind, seen through the Array API."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        if kind == "cpu":
+            import array_api_compat.numpy as xp
+
+            self.lib: Any = np
+        elif kind == "cuda":
+            try:
+                import array_api_compat.cupy as xp
+                import cupy
+            except ImportError as e:
+                raise DeviceError(
+                    "a cuda device needs cupy: pip install 'fuelspmd[gpu]'") from e
+            self.lib = cupy
+        else:
+            try:
+                import array_api_strict as xp
+            except ImportError as e:
+                raise DeviceError(
+                    "a strict device needs array-api-strict: pip install array-api-strict"
+                ) from e
+            self.lib = xp
+        self.xp: Any = xp
+
+    def dtype(self, dt: DType | str) -> Any:
+        """Return this library's dtype object for ``dt``."""
+        dt = as_dtype(dt)
+        if self.kind == "strict":
+            if dt is bfloat16:
+                raise DTypeError("array-api-strict has no bfloat16; use float16 or float32")
+            return getattr(self.xp, dt.name)
+        return to_numpy(dt)
+
+    def asarray(self, data: Any, dt: DType | str | None = None) -> Any:
+        """Return ``data`` as an array of this library (copying only when needed)."""
+        if self.kind == "strict" and isinstance(data, np.ndarray):
+            if dt is not None:
+                data = data.astype(to_numpy(dt), copy=False)
+            return self.xp.asarray(data)
+        return self.xp.asarray(data, dtype=None if dt is None else self.dtype(dt))
+
+    def empty(self, shape: Shape, dt: DType | str) -> Any:
+        return self.xp.empty(shape, dtype=self.dtype(dt))
+
+    def zeros(self, shape: Shape, dt: DType | str) -> Any:
+        return self.xp.zeros(shape, dtype=self.dtype(dt))
+
+    def to_host(self, arr: Any) -> np.ndarray:
+        """Return ``arr`` as a numpy array (no copy on the host libraries)."""
+        if self.kind == "cpu":
+            return np.asarray(arr)
+        if self.kind == "cuda":
+            return self.lib.asnumpy(arr)
+        return np.from_dlpack(arr)
+
+    def from_host(self, arr: np.ndarray, dev: Device) -> Any:
+        """Return the host array ``arr`` on ``dev`` of this library."""
+        if self.kind == "cuda":
+            with self.lib.cuda.Device(dev.index):
+                return self.lib.asarray(arr)
+        return self.asarray(arr)
+
+
+@cache
+def get_backend(kind: str) -> Backend:
+    """Return the backend of a device kind, importing its library on first use."""
+    if kind not in _KINDS:
+        raise DeviceError(f"unknown device kind {kind!r}; use one of {list(_KINDS)}")
+    return Backend(kind)
+
+
+def to_host(arr: Any) -> np.ndarray:
+    """Return any supported array as a numpy array, through DLPack or cupy's copy."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    mod = type(arr).__module__.split(".")[0]
+    if mod == "cupy":
+        return get_backend("cuda").to_host(arr)
+    return np.from_dlpack(arr)
+
+
+def transfer(arr: Any, src: Device, dst: Device) -> Any:
+    """Move ``arr`` from ``src`` to ``dst``.
+
+    Same library and memory: no copy. Host libraries exchange by DLPack (zero copy).
+    Anything else crosses through host memory: that is what "staged through the host"
+    means for a hop between libraries or vendors.
+    """
+    if src == dst or (src.kind == dst.kind and src.on_host):
+        return arr
+    dst_backend = get_backend(dst.kind)
+    if src.on_host and dst.on_host:
+        return dst_backend.asarray(np.from_dlpack(arr))
+    if src.kind == "cuda" and dst.kind == "cuda":
+        with dst_backend.lib.cuda.Device(dst.index):
+            return dst_backend.lib.asarray(arr)  # peer copy when the GPUs allow it
+    return dst_backend.from_host(get_backend(src.kind).to_host(arr), dst)

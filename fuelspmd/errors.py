@@ -1,0 +1,78 @@
+"""The exception hierarchy of fuelspmd.
+
+Layer 0: this module imports nothing from the package. Every module above raises these.
+
+A caller's mistake (a bad shape, a size that does not divide, a bad schedule) subclasses
+``ValueError`` as well, so generic handlers catch it; a failure of communication is a
+``RuntimeError``. Messages give the numbers involved and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheCapacityError",
+    "CacheError",
+    "CollectiveMismatchError",
+    "CommError",
+    "CommTimeoutError",
+    "ConfigError",
+    "DTypeError",
+    "DeviceError",
+    "FuelError",
+    "PeerAbortedError",
+    "ScheduleError",
+    "ShapeError",
+    "TransportUnavailableError",
+]
+
+
+class FuelError(Exception):
+    """Base of every error fuelspmd raises on purpose."""
+
+
+class ShapeError(FuelError, ValueError):
+    """Shapes that an op cannot take; raised when the node is built."""
+
+
+class DTypeError(FuelError, ValueError):
+    """A dtype an op or a transport cannot take."""
+
+
+class DeviceError(FuelError, ValueError):
+    """An unknown device, or tensors on different devices meeting in one op."""
+
+
+class ConfigError(FuelError, ValueError):
+    """Bad sizes, meshes, partitions or launch settings."""
+
+
+class CommError(FuelError, RuntimeError):
+    """A failure of communication between ranks."""
+
+
+class CollectiveMismatchError(CommError):
+    """Ranks disagreed on a collective (op, sequence, shape, dtype, reduce op, root, group)."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A wait passed its deadline: some rank never joined."""
+
+
+class PeerAbortedError(CommError):
+    """Another rank failed and the job is being torn down."""
+
+
+class TransportUnavailableError(CommError):
+    """A transport was asked for that cannot run here (not installed, no device, no launcher)."""
+
+
+class ScheduleError(FuelError, ValueError):
+    """A pipeline schedule that is malformed or can deadlock."""
+
+
+class CacheError(FuelError):
+    """A KV cache bookkeeping error."""
+
+
+class CacheCapacityError(CacheError, ValueError):
+    """A request for more KV cache blocks than the pool holds."""

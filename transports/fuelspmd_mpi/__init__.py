@@ -1,0 +1,1 @@
+"""The MPI transport (mpi4py's buffer API). Placeholder until written."""

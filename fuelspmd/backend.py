@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+import array_api_compat.numpy as compat_numpy
 import numpy as np
 
 from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
@@ -93,8 +94,7 @@ class Backend:
     def __init__(self, kind: str) -> None:
         self.kind = kind
         if kind == "cpu":
-            import array_api_compat.numpy as xp
-
+            xp = compat_numpy
             self.lib: Any = np
         elif kind == "cuda":
             try:

@@ -92,7 +92,8 @@ def dtype(x: Any) -> DType:
         try:
             name = np.dtype(x).name
         except TypeError as e:
-            raise DTypeError(f"cannot read a dtype from {x!r}; supported: {sorted(_BY_NAME)}") from e
+            raise DTypeError(
+                f"cannot read a dtype from {x!r}; supported: {sorted(_BY_NAME)}") from e
     if name not in _BY_NAME:
         raise DTypeError(f"dtype {name} is not supported; use one of {sorted(_BY_NAME)}")
     return _BY_NAME[name]

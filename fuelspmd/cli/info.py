@@ -1,0 +1,81 @@
+"""``fuelspmd info``: what this installation and this job look like."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any
+
+import numpy as np
+
+import fuelspmd
+from fuelspmd.backend import cuda_device_count
+from fuelspmd.launch import init
+from fuelspmd.transport import find_transports
+
+__all__ = ["collect", "main"]
+
+
+def _transports() -> list[dict[str, Any]]:
+    rows = []
+    for name, entry in sorted(find_transports().items()):
+        row: dict[str, Any] = {"name": name, "entry_point": entry.value}
+        try:
+            plugin = entry.load()
+            row["unavailable"] = plugin.unavailable_reason()
+            version = getattr(plugin, "library_version", None)
+            row["library"] = version() if callable(version) and not row["unavailable"] else None
+        except Exception as e:  # a broken third-party plugin must not break `info`
+            row["unavailable"] = f"failed to load: {type(e).__name__}: {e}"
+            row["library"] = None
+        rows.append(row)
+    return rows
+
+
+def collect() -> dict[str, Any]:
+    """Gather the facts ``info`` prints (starts the world, as every rank must)."""
+    world = init()
+    gpus = cuda_device_count()
+    return {
+        "version": fuelspmd.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "launcher": world.launcher,
+        "rank": world.rank,
+        "size": world.size,
+        "nodes": {n: world.nodes.count(n) for n in dict.fromkeys(world.nodes)},
+        "transport": world.transport.name,
+        "device": str(world.device),
+        "cuda_devices": gpus,
+        "transports": _transports(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fuelspmd info", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    facts = collect()
+    if facts["rank"] != 0:
+        return 0
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    nodes = ", ".join(f"{n} ({c} rank{'s' * (c > 1)})" for n, c in facts["nodes"].items())
+    out = [
+        f"fuelspmd {facts['version']}  (python {facts['python']}, numpy {facts['numpy']})",
+        f"launcher   {facts['launcher']}: {facts['size']} rank(s) on {nodes}",
+        f"world      transport {facts['transport']}, device of rank 0: {facts['device']}",
+        f"devices    cpu, cuda x {facts['cuda_devices']}",
+        "transports",
+    ]
+    for t in facts["transports"]:
+        state = "ok" if not t["unavailable"] else f"unavailable: {t['unavailable']}"
+        out.append(f"  {t['name']:<8} {state}")
+        if t["library"]:
+            out.append(f"           {t['library']}")
+    print("\n".join(out))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,83 @@
+"""Run the whole test suite: the one-process tests, then the MPI tests at 1 to 4 ranks.
+
+    python tests/run.py            # everything (what the README and CI run)
+    python tests/run.py -k slurm   # extra arguments go to every pytest run
+
+Each multi-rank run goes through a real ``mpiexec`` and fails when any rank fails; every
+run has a deadline, so a hung job is killed and reported instead of blocking CI. The last
+line adds up every run as ``N passed, N failed, N skipped``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS = (1, 2, 3, 4)
+DEADLINE_S = {"unit": 900, "mpi": 420}
+
+
+def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tuple[int, float]:
+    print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"=== {name}: killed after its {deadline:.0f} s deadline", flush=True)
+        rc = 124
+    return rc, time.monotonic() - start
+
+
+def main(extra: list[str]) -> int:
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+        "mpiexec")
+    work = Path(tempfile.mkdtemp(prefix="fuelspmd-tests-"))
+    runs: list[tuple[str, list[str], float]] = [
+        ("one process", [sys.executable, "-m", "pytest", "-q", "tests", "--ignore=tests/mpi",
+                         *extra], DEADLINE_S["unit"]),
+    ]
+    if mpiexec is None:
+        print("no mpiexec found beside python or on PATH: install the project "
+              "(pip install -e '.[test]') to get the mpich wheel", file=sys.stderr)
+        return 1
+    for n in RANKS:
+        runs.append((f"mpi x{n}", [mpiexec, "-n", str(n), sys.executable, "-m", "pytest", "-q",
+                                   "--with-mpi", "-p", "no:cacheprovider", "tests/mpi", *extra],
+                     DEADLINE_S["mpi"]))
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    failed_runs = []
+    for i, (name, cmd, deadline) in enumerate(runs):
+        summary = work / f"summary-{i}.json"
+        logs = work / f"logs-{i}"
+        env = dict(os.environ, FUELSPMD_SUMMARY=str(summary), FUELSPMD_RANK_LOGS=str(logs))
+        rc, took = _run(name, cmd, deadline, env)
+        counts = json.loads(summary.read_text()) if summary.exists() else {}
+        for key in totals:
+            totals[key] += counts.get(key, 0)
+        ok = rc in (0, 5)  # 5: pytest collected nothing (e.g. -k matched no MPI test)
+        print(f"=== {name}: {'ok' if ok else f'FAILED (exit {rc})'} in {took:.1f} s", flush=True)
+        if not ok:
+            failed_runs.append(name)
+            for log in sorted(logs.glob("rank-*.log")) if logs.exists() else []:
+                print(f"--- {log.name} ---\n{log.read_text()[-20000:]}", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    failed = totals["failed"] + totals["error"] + (len(failed_runs) if not (
+        totals["failed"] + totals["error"]) else 0)
+    print(f"\nruns failed: {', '.join(failed_runs)}" if failed_runs else "\nall runs ok")
+    print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
+    return 1 if failed_runs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""``fuelspmd schedule``: build, validate, simulate and draw a pipeline schedule.
+
+``fuelspmd schedule --kind 1f1b --stages 4 --microbatches 8 [--chunks 2] [--png out.png]``
+prints the step x rank grid, the action lists, the simulated bubble beside the formula,
+and the peak number of micro-batch activations each rank holds. Times are in units of
+one forward (``--t-b 2`` makes a backward twice as long); for ``interleaved`` they are the
+times of the whole per-rank model, and each chunk's action takes ``1/chunks`` of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fuelspmd.errors import ConfigError, ScheduleError
+from fuelspmd.pipeline_parallel import SCHEDULE_KINDS, schedule, simulate
+from fuelspmd.pipeline_parallel.render import grid, png
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fuelspmd schedule",
+        description="Draw a pipeline schedule and print its simulated bubble and memory.",
+    )
+    p.add_argument("--kind", default="1f1b", choices=SCHEDULE_KINDS)
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks p")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step")
+    p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved)")
+    p.add_argument("--t-f", type=float, default=1.0, help="forward time of a rank's model")
+    p.add_argument(
+        "--t-b", type=float, default=1.0, help="backward time (input-gradient part for zb-h1)"
+    )
+    p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time (zb-h1)")
+    p.add_argument("--t-comm", type=float, default=0.0, help="time per hop between ranks")
+    p.add_argument("--png", type=Path, default=None, help="write a timeline picture here")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    return p
+
+
+def _formula(
+    kind: str, p: int, m: int, c: int, t_f: float, t_b: float, t_w: float
+) -> tuple[str, float] | None:
+    """The closed-form bubble for uniform stage times and no communication time, where one
+    is known (see fuelspmd.pipeline_parallel.simulate and .schedules)."""
+    if kind in ("gpipe", "1f1b"):
+        return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+    if kind == "interleaved":
+        return "(p-1)/(c*m+p-1)", (p - 1) / (c * m + p - 1)
+    if kind == "zb-h1" and m >= p and t_w <= min(t_f, t_b):
+        idle = (p - 1) * (t_f + t_b - t_w)
+        return "(p-1)(tF+tI-tW)/step", idle / (m * (t_f + t_b + t_w) + idle)
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """Run ``fuelspmd schedule`` with ``argv`` (without the program name); return the exit code."""
+    args = _parser().parse_args(argv)
+    chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
+    try:
+        sched = schedule(args.kind, args.stages, args.microbatches, chunks)
+        per = 1.0 / chunks
+        timeline = simulate(sched, args.t_f * per, args.t_b * per, args.t_comm, t_w=args.t_w * per)
+    except (ConfigError, ScheduleError) as err:
+        print(f"fuelspmd schedule: {err}", file=sys.stderr)
+        return 2
+    p, m, c = sched.stages, sched.microbatches, sched.chunks
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(
+        f"{sched.kind}: {p} stages, {m} micro-batches, {c} chunk(s) per rank, "
+        f"sends {sched.sends}; validated"
+    )
+    print(grid(timeline, color=color))
+    print()
+    print(sched.format())
+    print()
+    print(
+        f"step time      {timeline.makespan:g} (t_f={args.t_f:g}, t_b={args.t_b:g}"
+        + (f", t_w={args.t_w:g}" if sched.kind == "zb-h1" else "")
+        + f", t_comm={args.t_comm:g})"
+    )
+    line = f"bubble         {timeline.bubble:.2%}"
+    formula = _formula(sched.kind, p, m, c, args.t_f, args.t_b, args.t_w)
+    if formula is not None and args.t_comm == 0:
+        line += f"   (formula {formula[0]} = {formula[1]:.2%})"
+    print(line)
+    peaks = timeline.peak_in_flight
+    print(
+        "peak in flight "
+        + " ".join(f"rank {r}: {n}" for r, n in enumerate(peaks))
+        + ("  (chunk activations, each 1/c of a rank's)" if c > 1 else "")
+    )
+    if args.png is not None:
+        args.png.write_bytes(png(timeline))
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

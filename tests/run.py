@@ -52,9 +52,9 @@ def main(extra: list[str]) -> int:
               "(pip install -e '.[test]') to get the mpich wheel", file=sys.stderr)
         return 1
     for n in RANKS:
-        runs.append((f"mpi x{n}", [mpiexec, "-n", str(n), sys.executable, "-m", "pytest", "-q",
-                                   "--with-mpi", "-p", "no:cacheprovider", "tests/mpi", *extra],
-                     DEADLINE_S["mpi"]))
+        runs.append((f"mpi x{n}", [mpiexec, "-n", str(n), sys.executable, __file__, "--rank",
+                                   "-q", "--with-mpi", "-p", "no:cacheprovider", "tests/mpi",
+                                   *extra], DEADLINE_S["mpi"]))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     failed_runs = []
     for i, (name, cmd, deadline) in enumerate(runs):
@@ -79,5 +79,26 @@ def main(extra: list[str]) -> int:
     return 1 if failed_runs else 0
 
 
+def rank_main(args: list[str]) -> int:
+    """Run pytest as one rank of an mpiexec job; ranks above 0 write to a log file.
+
+    The redirection happens before pytest starts, so pytest's own output of those ranks
+    goes to FUELSPMD_RANK_LOGS/rank-N.log, and a passing run prints one report, not N.
+    """
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    logs = os.environ.get("FUELSPMD_RANK_LOGS")
+    if rank > 0 and logs:
+        os.makedirs(logs, exist_ok=True)
+        fd = os.open(os.path.join(logs, f"rank-{rank}.log"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    import pytest
+
+    return int(pytest.main(args))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--rank"]:
+        sys.exit(rank_main(sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

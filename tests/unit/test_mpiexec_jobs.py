@@ -1,0 +1,97 @@
+"""Whole jobs under a real ``mpiexec``: the world each rank sees, one failure ending the job,
+and a rank that never joins turning into CommTimeoutError on the others.
+
+Each test starts its own ``mpiexec`` from this one pytest process, in its own process group,
+with a deadline, and kills the group if it outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
+
+
+def run_job(n: int, code: str, *, deadline: float = 60.0) -> tuple[int, str, str, float]:
+    """Run ``python -c code`` on ``n`` ranks; return (exit code, stdout, stderr, seconds)."""
+    start = time.monotonic()
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_clean_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job outlived its {deadline} s deadline:\n{out}\n{err}")
+    return proc.returncode, out, err, time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+def test_three_ranks_see_one_world() -> None:
+    rc, out, err, _ = run_job(3, "import fuelspmd as fs; w = fs.init(); "
+                                 "print(w.rank, w.size, w.local_rank, w.local_size, w.launcher)")
+    assert rc == 0, err
+    rows = sorted(tuple(line.split()) for line in out.strip().splitlines())
+    assert rows == [(str(r), "3", str(r), "3", "mpiexec") for r in range(3)]
+
+
+CRASH = """
+import numpy as np, fuelspmd as fs
+w = fs.init(timeout=120)
+buf = np.ones(4, dtype=np.float32)
+if w.rank == 1:
+    raise ValueError("rank one fails on purpose")
+w.transport.all_reduce(buf, fs.ReduceOp.SUM).wait()  # rank 0 waits here for rank 1
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_exception_on_one_rank_ends_the_job_within_seconds() -> None:
+    rc, _, err, took = run_job(2, CRASH)
+    assert rc != 0
+    assert took < 20, f"the job took {took:.1f} s to end"
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert "[rank 1] ValueError: rank one fails on purpose" in err
+    assert "aborting all 2 ranks" in err
+
+
+NEVER_JOINS = """
+import os, sys, time, numpy as np, fuelspmd as fs
+w = fs.init(timeout=1.5)
+if w.rank == 1:
+    time.sleep(6)          # never joins the all_reduce in time
+    os._exit(0)
+buf = np.ones(4, dtype=np.float32)
+start = time.monotonic()
+try:
+    w.transport.all_reduce(buf, fs.ReduceOp.SUM).wait()
+except fs.CommTimeoutError as e:
+    print(f"TIMEOUT {time.monotonic() - start:.2f} {e}", flush=True)
+    os._exit(0)
+print("NO TIMEOUT", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_never_joins_is_a_timeout_not_a_hang() -> None:
+    _, out, err, _ = run_job(2, NEVER_JOINS)
+    line = next((ln for ln in out.splitlines() if ln.startswith("TIMEOUT")), None)
+    assert line is not None, f"{out}\n{err}"
+    waited = float(line.split()[1])
+    assert 1.4 <= waited < 3.5, line
+    assert "all_reduce" in line

@@ -1,4 +1,4 @@
-"""The ``fuelspmd`` command (layer 8): ``info``, ``bench <what>``, ``schedule``.
+"""The ``fuelspmd`` command (layer 8): ``info``, ``bench <what>``, ``schedule``, ``plan``.
 
 Each subcommand lives in a module with ``main(argv) -> int``; this one only dispatches,
 so ``fuelspmd --help`` stays fast and a subcommand imports only what it needs.
@@ -19,6 +19,7 @@ _COMMANDS = {
     "info": ("fuelspmd.cli.info", "print the version, launcher, world, transports and devices"),
     "bench": ("", "run a benchmark: fuelspmd bench <what> [--json] (see fuelspmd bench --help)"),
     "schedule": ("fuelspmd.cli.schedule", "draw a pipeline schedule (grid, bubble, --png)"),
+    "plan": ("fuelspmd.cli.plan", "rank tp x pp x dp layouts of a transformer on a cluster"),
 }
 
 

@@ -12,7 +12,9 @@ import numpy as np
 
 import fuelspmd
 from fuelspmd.backend import cuda_device_count
+from fuelspmd.cost import load_calibration
 from fuelspmd.launch import init
+from fuelspmd.topology import detect
 from fuelspmd.transport import find_transports
 
 __all__ = ["collect", "main"]
@@ -56,8 +58,15 @@ def collect() -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fuelspmd info", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--topology", action="store_true",
+                        help="print the detected devices, nodes and links as a table")
     args = parser.parse_args(argv)
     facts = collect()
+    if args.topology:
+        table = detect(init(), calibration=load_calibration()).table()
+        if facts["rank"] == 0:
+            print(table)
+        return 0
     if facts["rank"] != 0:
         return 0
     if args.json:

@@ -1,0 +1,57 @@
+"""``fuelspmd bench calibrate`` under a real mpiexec: it measures, fits, prints the table of
+the check set against the model, and writes a file that ``detect`` then uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fuelspmd.cost import load_calibration
+from fuelspmd.topology import detect
+
+
+@dataclass
+class Hosts:
+    rank: int
+    size: int
+    nodes: list[str]
+
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
+    "mpiexec")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec beside python or on PATH")
+def test_calibrate_writes_what_detect_reads(tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA_"))}
+    assert MPIEXEC is not None
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "fuelspmd", "bench", "calibrate",
+           "--groups", "2", "--max-bytes", "262144", "--reps", "2", "--out", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr
+    table = [line for line in result.stdout.splitlines()
+             if line.startswith(("all_reduce", "all_gather", "reduce_scatter"))]
+    assert len(table) == 3 * 6  # three collectives at 8 B .. 256 KiB
+    data = load_calibration(out)
+    assert data is not None and data["world"] == 2 and len(data["fit"]["points"]) == 18
+    shm = data["shm"]
+    assert 0 < shm["latency"] < 1e-2 and 1e7 < shm["bandwidth"] < 1e12
+    for point in data["fit"]["points"]:
+        assert point["predicted_s"] > 0 and point["check_s"] > 0
+        assert point["error"] == pytest.approx(
+            abs(point["predicted_s"] - point["check_s"]) / point["check_s"])
+    topo = detect(Hosts(0, 2, ["here", "here"]), calibration=data)
+    assert topo.nodes[0].fabric.bandwidth == shm["bandwidth"]
+    assert topo.nodes[0].fabric.latency == shm["latency"]
+    assert json.loads(out.read_text())["shm"] == shm

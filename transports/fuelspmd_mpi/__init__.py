@@ -1,1 +1,70 @@
-"""The MPI transport (mpi4py's buffer API). Placeholder until written."""
+"""The MPI transport: fuelspmd's Transport seam over mpi4py's buffer API.
+
+Registered as the entry point ``mpi = "fuelspmd_mpi:plugin"`` in the group
+``fuelspmd.transports``; fuelspmd finds it there and never imports this package by name.
+Importing it imports neither mpi4py nor MPI: :data:`plugin`'s calls do, and initialise MPI
+themselves (see :mod:`fuelspmd_mpi._env`). How dtypes and reduce ops map onto MPI (the
+16-bit floats are reduced in float32; bool sum/prod are or/and; integer avg floors) is
+documented in :mod:`fuelspmd_mpi._work`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from fuelspmd.errors import TransportUnavailableError
+from fuelspmd_mpi._env import initialize, library_version, load_mpi, pmix_trap
+
+if TYPE_CHECKING:
+    from fuelspmd_mpi._transport import MPITransport
+
+__all__ = ["MPIPlugin", "MPITransport", "library_version", "plugin", "pmix_trap"]
+
+
+class MPIPlugin:
+    """The ``mpi`` transport plugin: availability check and the world transport."""
+
+    name = "mpi"
+
+    def unavailable_reason(self) -> str | None:
+        """Return why MPI cannot run here (no mpi4py, no MPI library, a PMIx trap), or None."""
+        try:
+            MPI = load_mpi()
+        except TransportUnavailableError as e:
+            return str(e)
+        if MPI.Is_finalized():
+            return "MPI was already finalized in this process"
+        if not MPI.Is_initialized():
+            return pmix_trap(str(MPI.Get_library_version()), os.environ)
+        return None
+
+    def world(self, *, timeout: float) -> MPITransport:
+        """Initialise MPI if needed and return the transport over COMM_WORLD.
+
+        ``timeout`` (seconds) is what every Work's ``wait()`` allows when given no timeout.
+        Raises ConfigError for a launch known to abort in MPI_Init (srun --mpi=pmix with an
+        MPICH lacking PMIx), TransportUnavailableError when mpi4py or MPI is missing.
+        """
+        from fuelspmd_mpi._transport import MPITransport
+
+        MPI = initialize()
+        return MPITransport(MPI.COMM_WORLD, MPI=MPI, timeout=timeout, label="world")
+
+    def library_version(self, *, full: bool = False) -> str:
+        """Return the MPI library's version line (all of it with ``full``), for ``info``."""
+        return library_version(full=full)
+
+    def __repr__(self) -> str:
+        return "<fuelspmd transport plugin 'mpi' (mpi4py)>"
+
+
+plugin = MPIPlugin()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MPITransport":  # imported on first use: numpy and the seam, no MPI
+        from fuelspmd_mpi._transport import MPITransport
+
+        return MPITransport
+    raise AttributeError(f"module 'fuelspmd_mpi' has no attribute {name!r}")

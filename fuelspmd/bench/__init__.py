@@ -1,0 +1,93 @@
+"""Benchmarks run by ``fuelspmd bench <what>``, and the helpers they share.
+
+Layer 8. Each benchmark is a module with ``main(argv) -> int`` that puts its baseline in
+the same run as the candidate. These machines switch between a fast and a slow state for
+minutes at a time (docs: notes/measured.md), so a comparison is only meaningful when the
+two are interleaved: :func:`interleave` runs one round of each candidate in turn (A, B, A,
+B, ...) and the report is the median per candidate and their ratio, never two absolute
+numbers taken minutes apart. Importing this package imports nothing heavy (the CLI lists
+the benchmarks through it).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
+
+__all__ = ["Column", "interleave", "median", "parse_bytes", "print_json", "print_table",
+           "time_calls"]
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+          "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``"8"``, ``"64K"``, ``"1MiB"``, ``"64M"`` into bytes (binary units)."""
+    s = text.strip().upper()
+    digits = s.rstrip("BKMGI")
+    unit = s[len(digits):]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise ValueError(f"cannot read a byte count from {text!r}; write e.g. 8, 64K, 1M, 64MiB")
+    return int(digits) * _UNITS[unit]
+
+
+def time_calls(fn: Callable[[], object], calls: int) -> float:
+    """Return the seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleave(rounds: Mapping[str, Callable[[], float]], *, count: int) -> dict[str, list[float]]:
+    """Run ``count`` rounds of every candidate in turn (A, B, A, B, ...); collect the times.
+
+    Each callable runs one timed round and returns its time (seconds per operation). The
+    candidates alternate inside every round, so a change of machine state hits them alike.
+    """
+    out: dict[str, list[float]] = {name: [] for name in rounds}
+    for _ in range(count):
+        for name, run in rounds.items():
+            out[name].append(run())
+    return out
+
+
+def median(values: Sequence[float]) -> float:
+    """The median (the report's statistic: robust to the odd preempted round)."""
+    return float(statistics.median(values))
+
+
+class Column:
+    """A table column: its header, the row key it shows and a format for the value."""
+
+    __slots__ = ("fmt", "header", "key")
+
+    def __init__(self, header: str, key: str, fmt: str = "{}") -> None:
+        self.header, self.key, self.fmt = header, key, fmt
+
+    def cell(self, row: Mapping[str, Any]) -> str:
+        value = row.get(self.key)
+        return "-" if value is None else self.fmt.format(value)
+
+
+def print_table(title: str, columns: Sequence[Column], rows: Sequence[Mapping[str, Any]], *,
+                out: TextIO | None = None) -> None:
+    """Print ``rows`` as a right-aligned text table under a ``# title`` line."""
+    out = out or sys.stdout
+    cells = [[c.cell(r) for c in columns] for r in rows]
+    widths = [max([len(c.header), *(len(line[i]) for line in cells)])
+              for i, c in enumerate(columns)]
+    print(f"# {title}", file=out)
+    print("  ".join(c.header.rjust(w) for c, w in zip(columns, widths)), file=out)
+    for line in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(line, widths)), file=out)
+    print(file=out, flush=True)
+
+
+def print_json(payload: Mapping[str, Any], *, out: TextIO | None = None) -> None:
+    """Print ``payload`` as one JSON document (the ``--json`` output of every bench)."""
+    print(json.dumps(payload, indent=1), file=out or sys.stdout, flush=True)

@@ -1,0 +1,83 @@
+"""Loading and initialising MPI, and the launcher traps checked before initialising.
+
+mpi4py is imported only inside these functions, with ``mpi4py.rc.initialize = False`` so
+that importing ``mpi4py.MPI`` does not initialise MPI: the library version can then be
+read (``MPI_Get_library_version`` is callable before ``MPI_Init``) and a launch that is
+known to abort inside ``MPI_Init`` is turned into a :class:`ConfigError` with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from fuelspmd.errors import ConfigError, TransportUnavailableError
+
+__all__ = ["initialize", "library_version", "load_mpi", "pmix_trap"]
+
+_INSTALL_HINT = "pip install mpi4py mpich (or build mpi4py against the system MPI)"
+
+
+def load_mpi() -> Any:
+    """Return the ``mpi4py.MPI`` module without initialising MPI.
+
+    Raises TransportUnavailableError when mpi4py is not installed or finds no MPI library.
+    When ``mpi4py.MPI`` was already imported by someone else, its settings stand.
+    """
+    try:
+        import mpi4py
+    except ImportError as e:
+        raise TransportUnavailableError(f"mpi4py is not installed: {_INSTALL_HINT}") from e
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True  # mpi4py calls MPI_Finalize at exit once MPI is initialised
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as e:  # no libmpi.so, or an ABI mismatch
+        raise TransportUnavailableError(
+            f"mpi4py is installed but cannot load an MPI library ({e}); {_INSTALL_HINT}") from e
+    return MPI
+
+
+def library_version(*, full: bool = False) -> str:
+    """Return the MPI library's version (first line, or the whole text with ``full``).
+
+    Callable before MPI is initialised; used by ``fuelspmd info``.
+    """
+    text = str(load_mpi().Get_library_version()).strip()
+    return text if full else text.splitlines()[0].strip()
+
+
+def pmix_trap(version: str, env: Mapping[str, str]) -> str | None:
+    """Return why ``MPI_Init`` would abort under this launcher, or None.
+
+    Slurm's ``srun --mpi=pmix`` (``SLURM_MPI_TYPE=pmix``, or ``PMIX_RANK`` set) speaks only
+    PMIx, and an MPICH built without PMIx (the PyPI ``mpich`` wheel is one) aborts in
+    ``MPI_Init`` with "unsupported PMI version PMIx". Open MPI speaks PMIx natively.
+    """
+    uses_pmix = env.get("SLURM_MPI_TYPE", "").lower().startswith("pmix") or "PMIX_RANK" in env
+    if not uses_pmix or "MPICH" not in version or "pmix" in version.lower():
+        return None
+    first = version.strip().splitlines()[0].strip() if version.strip() else "MPICH"
+    return (f"this job was launched with PMIx (srun --mpi=pmix) but the MPI library "
+            f"({first}) is MPICH built without PMIx, which aborts in MPI_Init with "
+            f"'unsupported PMI version PMIx'. Launch with `srun --mpi=pmi2` (or set "
+            f"MpiDefault=pmi2 in slurm.conf), or run under `mpiexec`")
+
+
+def initialize() -> Any:
+    """Initialise MPI (thread level MULTIPLE) unless it already is; return ``mpi4py.MPI``.
+
+    MULTIPLE is mpi4py's own default and lets a crash handler or a progress thread call
+    MPI; measured on MPICH it costs nothing visible at 8 B next to the run-to-run noise.
+    """
+    MPI = load_mpi()
+    if MPI.Is_finalized():
+        raise ConfigError("MPI was already finalized in this process and cannot be "
+                          "initialised again; call fs.init() once per process")
+    if not MPI.Is_initialized():
+        trap = pmix_trap(str(MPI.Get_library_version()), os.environ)
+        if trap is not None:
+            raise ConfigError(trap)
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI

@@ -1,0 +1,221 @@
+"""How fuelspmd dtypes and reduce ops map onto MPI, and the Work over an MPI request.
+
+Moving bytes (all_gather, broadcast, all_to_all, send, recv) never looks at the values:
+float16 and bfloat16 travel as ``MPI_UINT16_T`` bit patterns (numpy cannot export a
+bfloat16 buffer, so it is viewed as uint16 first), the other types as their own MPI type.
+
+Reductions need arithmetic MPI may not have:
+
+- float32, float64, int32, int64: MPI's own SUM, PROD, MIN, MAX on FLOAT, DOUBLE,
+  INT32_T, INT64_T, into the caller's buffer (``MPI_IN_PLACE`` for all_reduce).
+- float16, bfloat16: MPI has no portable 16-bit float type, so the buffer is upcast to a
+  float32 copy, reduced by MPI in float32, and rounded back once to the 16-bit type
+  (round to nearest even). Partial results keep float32's 24-bit significand, so there is
+  one 16-bit rounding instead of one per step; MPI hands every rank the same float32
+  result (MPICH does; the standard recommends it), so every rank rounds to the same value.
+- bool: MPI's logical ops on ``MPI_C_BOOL``: sum and max are OR, prod and min are AND.
+- avg is SUM followed by a division by the group size on every rank: in the float type
+  (float32 for the 16-bit types, before rounding); for int32/int64 it is floor division
+  (numpy's ``//``, rounding toward minus infinity); for bool it is refused (DTypeError),
+  as the mean of booleans is not a boolean.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.dtypes import bfloat16, to_numpy
+from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
+from fuelspmd.transport import ReduceOp, poll_until
+
+__all__ = ["MPIWork", "ReducePlan", "Types"]
+
+# A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
+# small collective completes within a few, so 8 B latency stays at raw MPI's.
+_BURST = 64
+# After this long a wait yields the core between bursts, as MPI libraries' blocking waits
+# do after some polls. A spinning rank otherwise keeps the core its peer (or another
+# process: these machines are shared) needs for a whole time slice. Measured interleaved,
+# 1 MiB all_reduce at 2 ranks on 2 busy cores: 0.75 ms yielding after 10 us, 2.8 ms after
+# 1 ms (blocking MPI: 0.61 ms); at 3 ranks, 8 B: 0.66 ms against 2.6 ms. A wait that ends
+# within its first 65 polls (most small collectives) never yields.
+_YIELD_AFTER_S = 1e-5
+
+
+class ReducePlan:
+    """How one (dtype, op) pair is reduced: MPI type and op, and an optional float32 stage."""
+
+    __slots__ = ("avg", "datatype", "mpi_op", "stage")
+
+    def __init__(self, datatype: Any, mpi_op: Any, stage: np.dtype | None, avg: bool) -> None:
+        self.datatype, self.mpi_op, self.stage, self.avg = datatype, mpi_op, stage, avg
+
+
+class Types:
+    """The MPI datatypes and reduce plans of one MPI library, built once per transport."""
+
+    def __init__(self, MPI: Any) -> None:
+        self.MPI = MPI
+        u16 = MPI.UINT16_T
+        self.bf16 = to_numpy(bfloat16)
+        self.move: dict[np.dtype, Any] = {
+            np.dtype(np.float16): u16, self.bf16: u16,
+            np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+            np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
+            np.dtype(np.bool_): MPI.C_BOOL,
+        }
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+                     ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
+        self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}
+        # by op name, then dtype: hashing a (dtype, op) tuple, or an Enum member (its
+        # __hash__ is Python code), costs 0.2-0.3 us on every call
+        self.plans: dict[str, dict[np.dtype, ReducePlan]] = {op.value: {} for op in ReduceOp}
+
+    def view(self, buf: Any) -> Any:
+        """Return ``buf`` in a form MPI can read: bfloat16 as its uint16 bits."""
+        return buf.view(np.uint16) if buf.dtype == self.bf16 else buf
+
+    def plan(self, dt: np.dtype, op: ReduceOp, where: str) -> ReducePlan:
+        """Return the reduce plan of ``dt`` and ``op``; DTypeError for avg over bool."""
+        found = self.plans[op.value].get(dt)
+        if found is not None:
+            return found
+        avg = op is ReduceOp.AVG
+        if dt == np.bool_:
+            if avg:
+                raise DTypeError(f"{where}: avg is not defined for bool buffers; use 'sum' "
+                                 f"(logical or) or 'prod' (logical and), or cast to a number")
+            found = ReducePlan(self.MPI.C_BOOL, self._bool_ops[op], None, False)
+        elif dt.itemsize == 2:  # float16, bfloat16: reduce in float32
+            found = ReducePlan(self.MPI.FLOAT, self._ops[op], np.dtype(np.float32), avg)
+        else:
+            found = ReducePlan(self.move[dt], self._ops[op], None, avg)
+        self.plans[op.value][dt] = found
+        return found
+
+
+def divide(buf: np.ndarray, size: int) -> None:
+    """Finish an avg in place: true division for floats, floor division for integers."""
+    if buf.dtype.kind == "f":
+        buf /= size
+    else:
+        np.floor_divide(buf, size, out=buf)
+
+
+class MPIWork:
+    """A started MPI operation: ``test`` polls it, ``wait`` polls it against a deadline.
+
+    ``wait`` never sleeps (unlike :func:`fuelspmd.transport.poll_until`, which backs off to
+    1 ms sleeps): MPI progresses a non-blocking collective only inside MPI calls, so a rank
+    asleep between two ``MPI_Test`` stalls its peers too. Measured at 2 ranks on 2 busy
+    cores, the sleeping poll made an 8 B all_reduce take 0.4 ms instead of 5 us. It polls
+    continuously, as MPI's own blocking calls do, reads the clock every 64 polls for the
+    deadline, and after 10 us yields the core between bursts, so a rank sharing a core
+    with its peer lets it run.
+
+    ``finish`` runs once, on the rank's own thread, when the request completes (it copies a
+    float32 stage back, or divides for avg). ``owner.explain(op, seq, peer, tag)`` names
+    the operation and says who failed to join, for the CommTimeoutError message; it is
+    called only on the slow path, so starting a Work costs a few attribute stores. After
+    a timeout the request is still posted: the Work can be waited on again, and a receive
+    can be withdrawn with :meth:`cancel`.
+    """
+
+    __slots__ = ("_finish", "_op", "_owner", "_req", "_seq")
+
+    def __init__(self, req: Any, owner: Any, op: str | tuple[str, int, int], seq: int,
+                 finish: Callable[[], None] | None = None) -> None:
+        # five stores and no more: this runs on every operation (``op`` is a name, or
+        # (name, peer, tag) for send/recv); ``_req is None`` marks a completed Work
+        self._req = req
+        self._owner = owner
+        self._op = op
+        self._seq = seq
+        self._finish = finish
+
+    def _late(self, limit: float) -> str:
+        what, hint = self._owner.explain(self._op, self._seq)
+        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
+                f"raise the timeout (fs.init(timeout=...) or wait(timeout))")
+
+    def _complete(self) -> bool:
+        self._req = None
+        finish = self._finish
+        if finish is not None:
+            self._finish = None
+            finish()
+        return True
+
+    def _error(self, e: Exception) -> CommError:
+        what, _ = self._owner.explain(self._op, self._seq)
+        return _comm_error(e, what)
+
+    def test(self) -> bool:
+        """Return whether the operation completed (never blocks)."""
+        req = self._req
+        if req is None:
+            return True
+        try:
+            return req.Test() and self._complete()
+        except self._owner.mpi_error as e:  # truncation, a failed peer, ...
+            raise self._error(e) from e
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's)."""
+        req = self._req
+        if req is None:
+            return
+        test = req.Test
+        try:
+            if test():  # a small operation usually ends here
+                self._complete()
+                return
+            limit = self._owner.timeout if timeout is None else timeout
+            clock = time.monotonic
+            start = clock()
+            deadline = start + limit
+            while True:
+                for _ in range(_BURST):
+                    if test():
+                        self._complete()
+                        return
+                now = clock()
+                if now > deadline:
+                    raise CommTimeoutError(self._late(limit))
+                if now - start > _YIELD_AFTER_S:
+                    os.sched_yield()
+        except self._owner.mpi_error as e:
+            raise self._error(e) from e
+
+    def cancel(self, timeout: float = 5.0) -> bool:
+        """Withdraw a pending receive; return False if it had already completed.
+
+        Only point-to-point requests can be cancelled in MPI; a collective that timed out
+        leaves its communicator unusable, and the job should end (``abort``).
+        """
+        req = self._req
+        if req is None:
+            return False
+        req.Cancel()
+        poll_until(req.Test, time.monotonic() + timeout,
+                   lambda: f"cancelling: {self._late(timeout)}")
+        self._req = None
+        self._finish = None
+        return True
+
+
+def _comm_error(e: Exception, what: str) -> CommError:
+    """Turn mpi4py's MPI.Exception into a CommError; its last line is MPI's own reason."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    text = lines[-1].strip()
+    if "truncat" in str(e).lower():
+        return CollectiveMismatchError(
+            f"{what}: the message sent is longer than the receive buffer ({text}); "
+            f"size the recv buffer to the number of elements the peer sends")
+    return CommError(f"{what}: MPI reported an error: {text}")

@@ -149,20 +149,18 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     info = detect_launcher()
     seam = _start_transport(transport, info, timeout)
     _check_world(seam, info)
-    nodes = _gather_hosts(seam, timeout) if seam.size > 1 else [_hostname()]
-    node = nodes[seam.rank]
-    local_rank = sum(1 for r in range(seam.rank) if nodes[r] == node)
-    local_size = nodes.count(node)
-    if info.local_rank is not None and info.local_rank != local_rank:
-        raise ConfigError(
-            f"rank {seam.rank}: the launcher ({info.launcher}) says local rank "
-            f"{info.local_rank} but {local_rank} lower ranks share host {node!r}; the launcher "
-            "and MPI disagree about the job (is mpi4py built against the launcher's MPI?)")
-    world = World(rank=seam.rank, size=seam.size, local_rank=local_rank,
-                  local_size=local_size, node=node, nodes=nodes, launcher=info.launcher,
-                  device=_pick_device(device, local_rank), transport=seam, timeout=timeout)
+    world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
+                  nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
+                  timeout=timeout)
     if seam.size > 1:
+        # from here on an exception on one rank ends the job, so a check below that fails
+        # on some ranks only cannot leave the others blocked
         world._hooks = _install_crash_handler(world)
+    world.nodes, launcher_local = _gather_places(seam, info, timeout)
+    world.node = world.nodes[seam.rank]
+    world.local_size = world.nodes.count(world.node)
+    world.local_rank = _local_rank(world.nodes, launcher_local, seam.rank, info.launcher)
+    world.device = _pick_device(device, world.local_rank)
     _WORLD = world
     return world
 
@@ -207,15 +205,47 @@ def _hostname() -> str:
     return socket.gethostname().split(".")[0][:_HOST_CHARS]
 
 
-def _gather_hosts(seam: Transport, timeout: float) -> list[str]:
-    """All-gather every rank's host name (fixed-width code points; no pickling)."""
-    mine = np.zeros(_HOST_CHARS, dtype=np.int32)
+def _gather_places(seam: Transport, info: LaunchInfo,
+                   timeout: float) -> tuple[list[str], list[int]]:
+    """All-gather every rank's host name and the local rank its launcher gave it (-1: none).
+
+    Fixed-width int32 code points, no pickling; one collective, so every rank ends up with
+    the same table and reaches the same verdict in :func:`_local_rank`.
+    """
     name = _hostname()
+    if seam.size == 1:
+        return [name], [-1 if info.local_rank is None else info.local_rank]
+    mine = np.zeros(_HOST_CHARS + 1, dtype=np.int32)
     mine[: len(name)] = [ord(c) for c in name]
-    every = np.empty(_HOST_CHARS * seam.size, dtype=np.int32)
+    mine[-1] = -1 if info.local_rank is None else info.local_rank
+    every = np.empty((_HOST_CHARS + 1) * seam.size, dtype=np.int32)
     seam.all_gather(mine, every).wait(timeout)
-    rows = every.reshape(seam.size, _HOST_CHARS)
-    return ["".join(chr(c) for c in row if c) for row in rows]
+    rows = every.reshape(seam.size, _HOST_CHARS + 1)
+    return ["".join(chr(c) for c in row[:-1] if c) for row in rows], rows[:, -1].tolist()
+
+
+def _local_rank(nodes: list[str], launcher_local: list[int], rank: int, launcher: str) -> int:
+    """This rank's index among the ranks on its host.
+
+    The launcher's numbering is kept when it gives one (Open MPI's default ``--map-by
+    core`` numbers local ranks out of rank order, and GPU binding follows it); it must be a
+    permutation of ``0..local_size-1`` on every host, or the launcher and MPI disagree about
+    the job. Checked on the gathered table, so every rank raises the same error.
+    """
+    by_host: dict[str, list[int]] = {}
+    for r, host in enumerate(nodes):
+        by_host.setdefault(host, []).append(r)
+    if all(x < 0 for x in launcher_local):
+        return by_host[nodes[rank]].index(rank)
+    for host, ranks in by_host.items():
+        given = sorted(launcher_local[r] for r in ranks)
+        if given != list(range(len(ranks))):
+            raise ConfigError(
+                f"host {host!r} runs ranks {ranks}, but the launcher ({launcher}) gave them "
+                f"local ranks {[launcher_local[r] for r in ranks]}, not a numbering "
+                f"0..{len(ranks) - 1}: the launcher and MPI disagree about the job (is "
+                "mpi4py built against the launcher's MPI?)")
+    return launcher_local[rank]
 
 
 def _pick_device(device: str | Device, local_rank: int) -> Device:

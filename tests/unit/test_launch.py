@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import fuelspmd as fs
-from fuelspmd.launch import _check_world, detect_launcher
+from fuelspmd.launch import _check_world, _local_rank, detect_launcher
 from fuelspmd.transport import SelfTransport
 
 
@@ -90,3 +90,16 @@ def test_self_transport_refuses_a_multi_rank_launch(monkeypatch: pytest.MonkeyPa
 def test_unknown_transport_lists_what_is_installed() -> None:
     with pytest.raises(fs.TransportUnavailableError, match="no transport named 'carrier-pigeon'"):
         fs.init(transport="carrier-pigeon")
+
+
+def test_local_rank_keeps_the_launchers_numbering_when_it_is_a_permutation() -> None:
+    nodes = ["a", "a", "a", "b"]
+    # Open MPI's --map-by core numbers local ranks out of rank order
+    assert [_local_rank(nodes, [0, 2, 1, 0], r, "openmpi") for r in range(4)] == [0, 2, 1, 0]
+    # no launcher numbering: rank order within each host
+    assert [_local_rank(nodes, [-1] * 4, r, "none") for r in range(4)] == [0, 1, 2, 0]
+
+
+def test_local_ranks_that_are_no_numbering_are_a_config_error() -> None:
+    with pytest.raises(fs.ConfigError, match=r"host 'a' runs ranks \[0, 1\].*\[0, 0\]"):
+        _local_rank(["a", "a"], [0, 0], 1, "mpiexec")

@@ -10,7 +10,6 @@ documented in :mod:`fuelspmd_mpi._work`.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from fuelspmd.errors import TransportUnavailableError
@@ -28,15 +27,18 @@ class MPIPlugin:
     name = "mpi"
 
     def unavailable_reason(self) -> str | None:
-        """Return why MPI cannot run here (no mpi4py, no MPI library, a PMIx trap), or None."""
+        """Return why MPI cannot run here (no mpi4py, no MPI library), or None.
+
+        A launch MPI would abort in (srun --mpi=pmix with an MPICH lacking PMIx) is not
+        "unavailable": MPI is there, the launch is wrong, and ``world()`` says how to fix
+        it with a ConfigError.
+        """
         try:
             MPI = load_mpi()
         except TransportUnavailableError as e:
             return str(e)
         if MPI.Is_finalized():
             return "MPI was already finalized in this process"
-        if not MPI.Is_initialized():
-            return pmix_trap(str(MPI.Get_library_version()), os.environ)
         return None
 
     def world(self, *, timeout: float) -> MPITransport:

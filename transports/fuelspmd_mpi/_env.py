@@ -55,14 +55,21 @@ def pmix_trap(version: str, env: Mapping[str, str]) -> str | None:
     PMIx, and an MPICH built without PMIx (the PyPI ``mpich`` wheel is one) aborts in
     ``MPI_Init`` with "unsupported PMI version PMIx". Open MPI speaks PMIx natively.
     """
-    uses_pmix = env.get("SLURM_MPI_TYPE", "").lower().startswith("pmix") or "PMIX_RANK" in env
+    via_srun = env.get("SLURM_MPI_TYPE", "").lower().startswith("pmix")
+    uses_pmix = via_srun or "PMIX_RANK" in env
     if not uses_pmix or "MPICH" not in version or "pmix" in version.lower():
         return None
     first = version.strip().splitlines()[0].strip() if version.strip() else "MPICH"
-    return (f"this job was launched with PMIx (srun --mpi=pmix) but the MPI library "
-            f"({first}) is MPICH built without PMIx, which aborts in MPI_Init with "
-            f"'unsupported PMI version PMIx'. Launch with `srun --mpi=pmi2` (or set "
-            f"MpiDefault=pmi2 in slurm.conf), or run under `mpiexec`")
+    if via_srun:
+        return (f"this job was launched with PMIx (srun --mpi=pmix) but the MPI library "
+                f"({first}) is MPICH built without PMIx, which aborts in MPI_Init with "
+                f"'unsupported PMI version PMIx'. Launch with `srun --mpi=pmi2` (or set "
+                f"MpiDefault=pmi2 in slurm.conf), or run under `mpiexec`")
+    return (f"this process was started by a PMIx launcher (PMIX_RANK is set: Open MPI's "
+            f"mpirun/mpiexec, or prterun) but mpi4py loads {first}, which has no PMIx and "
+            f"would abort in MPI_Init. Start it with the mpiexec of that MPICH (the one "
+            f"beside this Python: `python -m fuelspmd info` names the library), or point "
+            f"mpi4py at Open MPI")
 
 
 def initialize() -> Any:

@@ -23,8 +23,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.errors import ConfigError, DeviceError
+from fuelspmd.errors import CollectiveMismatchError, ConfigError, DeviceError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd_mpi._shm import SHM_DTYPES, ShmAllReduce
 from fuelspmd_mpi._work import MPIWork, Types, divide
 
 __all__ = ["MPITransport"]
@@ -32,6 +33,8 @@ __all__ = ["MPITransport"]
 _COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different collective "
                     "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
+_ALGORITHMS = ("mpi", "shm")
+DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
@@ -85,6 +88,10 @@ class MPITransport:
         self.world_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._seq = 0
+        # the shared-memory all-reduce (set_all_reduce_policy): off until the layer above
+        # decides; (min, max) bytes it serves
+        self._shm: ShmAllReduce | None = None
+        self._shm_range = (0, -1)
 
     @property
     def comm(self) -> Any:
@@ -147,6 +154,11 @@ class MPITransport:
         self._seq = seq + 1
         if buf.size == 0 or self.size == 1:
             return DONE
+        shm = self._shm
+        if (shm is not None and self._shm_range[0] <= buf.nbytes <= self._shm_range[1]
+                and plan.stage is None and buf.dtype in SHM_DTYPES
+                and shm.all_reduce(buf, op, seq)):
+            return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:
             req = self._comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
@@ -157,6 +169,72 @@ class MPITransport:
         stage = buf.astype(plan.stage)
         req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
         return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg))
+
+    def set_all_reduce_policy(self, *, algorithm: str, min_bytes: int = 0,
+                              max_bytes: int | None = None,
+                              cap_bytes: int = DEFAULT_SHM_CAP) -> str:
+        """Choose how all_reduce runs for buffers of ``min_bytes..max_bytes``; return the choice.
+
+        Collective: every rank calls it with the same arguments (checked: ranks that differ
+        raise CollectiveMismatchError). ``algorithm="shm"`` routes float32/float64/int32/
+        int64 all-reduces of that size range through the shared-memory path
+        (:mod:`fuelspmd_mpi._shm`), holding at most ``cap_bytes`` of shared window per rank;
+        ``"mpi"`` turns it off and frees the windows. The decision belongs to the layer
+        above (the cost model predicts where shm wins: it loses to MPI below about 1 MiB
+        on the measured machines). Returns "shm", or "mpi" when shm cannot apply here: a
+        group of one rank, or one whose ranks do not all share memory (several nodes; a
+        split per node can use it). A split starts with the policy off.
+        """
+        if algorithm not in _ALGORITHMS:
+            raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
+                              f"{list(_ALGORITHMS)}, got {algorithm!r}")
+        top = 2**62 if max_bytes is None else int(max_bytes)
+        if not 0 <= int(min_bytes) <= top:
+            raise ConfigError(f"set_all_reduce_policy: need 0 <= min_bytes <= max_bytes, got "
+                              f"min_bytes={min_bytes}, max_bytes={max_bytes}")
+        mine = np.array([_ALGORITHMS.index(algorithm), int(min_bytes), top, int(cap_bytes)],
+                        np.int64)
+        every = np.empty((self.size, 4), np.int64)
+        self.all_gather(mine, every.reshape(-1)).wait()
+        if (every != mine).any():
+            rows = "; ".join(f"rank {k}: {_ALGORITHMS[int(a)]} {lo}..{hi} cap {c}"
+                             for k, (a, lo, hi, c) in enumerate(every.tolist()))
+            raise CollectiveMismatchError(
+                f"set_all_reduce_policy on {self.describe()}: the ranks passed different "
+                f"policies ({rows}); every rank must pass the same arguments")
+        if algorithm == "mpi" or self.size == 1:
+            self._free_shm()
+            return "mpi"
+        if self._shm is None or self._shm.cap_bytes != cap_bytes:
+            self._free_shm()
+            self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
+                                            sync=self._shm_sync)
+        if self._shm is None:
+            return "mpi"
+        self._shm_range = (int(min_bytes), top)
+        return "shm"
+
+    def shared_buffer(self, nbytes: int) -> np.ndarray:
+        """Return ``nbytes`` (uint8) that an all_reduce can take without copying them in.
+
+        Collective when the shm policy is on (it may allocate a window; every rank passes
+        the same ``nbytes``): the view lies at the start of this rank's segment of the
+        shared window, so ``all_reduce(buf.view(dtype).reshape(shape))`` of those bytes
+        skips the copy in. Without the shm path (policy off, several nodes) it is a plain
+        array. Valid until :meth:`finalize` or the next ``set_all_reduce_policy``.
+        """
+        if self._shm is None:
+            return np.empty(int(nbytes), np.uint8)
+        return self._shm.shared_buffer(int(nbytes))
+
+    def _shm_sync(self, node: Any, seq: int) -> None:
+        MPIWork(node.Ibarrier(), self, "all_reduce (shared memory)", seq).wait()
+
+    def _free_shm(self) -> None:
+        if self._shm is not None:
+            self._shm.free()
+            self._shm = None
+        self._shm_range = (0, -1)
 
     def _unstage(self, stage: np.ndarray, out: Any, avg: bool) -> Any:
         size = self.size
@@ -286,12 +364,15 @@ class MPITransport:
                             label=f"split(color={color}) of {self.label}")
 
     def finalize(self) -> None:
-        """Release this transport; a split's communicator is freed (collective over the group).
+        """Release this transport: shared windows and a split's communicator are freed.
+
+        Collective over the group when either is held.
 
         The world's MPI stays initialised until the process exits (mpi4py calls
         MPI_Finalize then), since MPI cannot be initialised twice: a later ``fs.init()``
         builds a fresh transport over the same COMM_WORLD.
         """
+        self._free_shm()
         MPI = self._MPI
         comm = self._comm
         if comm != MPI.COMM_NULL and comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF:

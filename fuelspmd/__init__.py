@@ -7,6 +7,8 @@ Public names are resolved from their modules on first access.
 
 from __future__ import annotations
 
+import sys
+import types
 from importlib import import_module
 from typing import Any
 
@@ -103,3 +105,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """Keeps ``fs.tensor`` the function: importing the submodule ``fuelspmd.tensor`` makes
+    the import system set the package attribute ``tensor`` to the module, which would hide
+    the constructor of the same name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,227 @@
+"""The executor and the plan cache.
+
+:func:`realize` lowers the unrealised graph under its targets, looks the structure up in
+the plan cache (optimising only on a miss), runs the plan's steps with the leaves' buffers,
+then hands each target its buffer and drops its inputs. Live bytes are counted as the plan
+runs: buffers the executor allocated and still holds (in use or pooled for a later step);
+leaves, which belong to the caller, are not counted. ``peak_bytes`` of the last run is on
+the :class:`Executor`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .fused import run_generic
+from .node import Node, mark_realised
+from .passes import lower, optimise
+from .plan import Plan, Step, make_plan
+
+__all__ = ["Executor", "PlanCache", "default_executor", "realize"]
+
+
+class PlanCache:
+    """Plans by graph structure, least recently used dropped first; counts hits and misses."""
+
+    def __init__(self, *, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self.hits = 0
+        self.misses = 0
+        self._plans: OrderedDict[Any, Plan] = OrderedDict()
+
+    def get(self, key: Any) -> Plan | None:
+        plan = self._plans.get(key)
+        if plan is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: Any, plan: Plan) -> None:
+        self._plans[key] = plan
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+class _Memory:
+    """Buffers of one run: a pool of released ones by (elements, dtype), and live bytes."""
+
+    __slots__ = ("allocations", "live", "peak", "pool")
+
+    def __init__(self) -> None:
+        self.pool: dict[tuple[int, Any], list[Any]] = {}
+        self.live = 0
+        self.peak = 0
+        self.allocations = 0
+
+    def alloc(self, shape: tuple[int, ...], dt: Any, nbytes: int) -> Any:
+        size = nbytes // dt.itemsize if dt.itemsize else 0
+        free = self.pool.get((size, dt))
+        if free:
+            buf = free.pop()
+            return buf if buf.shape == shape else buf.reshape(shape)
+        self.own(nbytes)
+        return np.empty(shape, dt)
+
+    def own(self, nbytes: int) -> None:
+        self.allocations += 1
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def release(self, arr: Any, pool: bool, nbytes: int) -> None:
+        if pool and arr.flags.c_contiguous:
+            self.pool.setdefault((arr.size, arr.dtype), []).append(arr)
+        else:
+            self.live -= nbytes
+
+
+class Executor:
+    """Runs plans; holds the plan cache and the figures of the last run."""
+
+    def __init__(self, *, cache_capacity: int = 256) -> None:
+        self.cache = PlanCache(capacity=cache_capacity)
+        self.peak_bytes = 0      # live-bytes peak of the last run
+        self.allocations = 0     # buffers the last run allocated (pool reuses not counted)
+        self.runs = 0
+
+    def plan(self, targets: list[Node]) -> tuple[Plan, list[Node]]:
+        """Return the plan of ``targets`` (from the cache when the structure was seen)."""
+        # Lowering and optimising make many objects and no reference cycles: a cyclic
+        # collection here would only rescan the heap (CPython's 25% rule fires on big
+        # graphs), so it waits until the plan is made.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            sigs, leaves, outs = lower(targets)
+            key = (tuple(sigs), outs)
+            plan = self.cache.get(key)
+            if plan is None:
+                ir, new_outs, leaf_pos = optimise(sigs, outs)
+                plan = make_plan(ir, new_outs, leaf_pos)
+                self.cache.put(key, plan)
+        finally:
+            if enabled:
+                gc.enable()
+        return plan, leaves
+
+    def realize(self, nodes: Iterable[Node]) -> None:
+        """Compute every unrealised node of ``nodes`` as one graph."""
+        targets = list({id(n): n for n in nodes if n.buffer is None}.values())
+        if not targets:
+            return
+        plan, leaves = self.plan(targets)
+        arrays = self.run(plan, leaves)
+        for node, arr in zip(targets, arrays):
+            mark_realised(node, arr)
+
+    @staticmethod
+    def _fused(s: Step, vals: list[Any], mem: _Memory) -> Any:
+        """Run a numpy fused step: donors lend buffers, the rest come from the pool."""
+        prog, runner = s.prog, s.runner
+        regs = s.regs.copy()
+        for k, slot in enumerate(s.ins):
+            regs[k] = vals[slot]
+        base = runner.base
+        for t, k in prog.donor_of.items():
+            regs[base + t] = vals[s.ins[k]]
+        dts = s.np_dtypes
+        for t in runner.full_new:
+            regs[base + t] = mem.alloc(s.instr.shape, dts[t], s.instr.size * dts[t].itemsize)
+        part = runner.scratch_shape
+        size = math.prod(part)
+        for t in runner.scratch:
+            regs[base + t] = mem.alloc(part, dts[t], size * dts[t].itemsize)
+        out = runner.run(regs)
+        for v, t in prog.exports:
+            vals[v] = regs[base + t]
+        for t, pool in zip(runner.scratch, s.scratch_pool):
+            arr = regs[base + t]
+            mem.release(arr, pool, arr.nbytes)
+        regs.clear()  # donors' buffers must go now, not when regs is next rebound
+        return out
+
+    def run(self, plan: Plan, leaves: list[Node]) -> list[Any]:
+        """Execute ``plan`` with the leaves' buffers; return the output arrays."""
+        vals: list[Any] = [None] * plan.n_values
+        for slot, node in zip(plan.leaf_slots, leaves):
+            if slot >= 0:
+                vals[slot] = node.buffer
+        for slot, arr, _ in plan.presets:
+            vals[slot] = arr
+        mem = _Memory()
+        nbytes = plan.nbytes
+        for s in plan.steps:
+            kind = s.kind
+            if kind == "kernel":
+                ins = s.instr
+                out = ins.op.kernel(s.backend, ins.attrs, *[vals[i] for i in s.ins])
+                if s.backend.kind == "cpu" and type(out) is not np.ndarray:
+                    out = np.asarray(out)  # numpy reduces to scalars; keep 0-d arrays
+                vals[s.out] = out
+                if s.owns:
+                    mem.own(nbytes[s.out])
+            elif kind == "matmul_out":
+                buf = mem.alloc(s.instr.shape, s.np_dtypes[0], nbytes[s.out])
+                vals[s.out] = np.matmul(vals[s.ins[0]], vals[s.ins[1]], out=buf)
+            elif kind == "fused":
+                vals[s.out] = self._fused(s, vals, mem)
+            elif kind == "fused_generic":
+                regs = s.regs.copy()
+                for k, slot in enumerate(s.ins):
+                    regs[k] = vals[slot]
+                outs = run_generic(s.prog, s.backend, regs)
+                for v, arr in zip([s.out, *s.exports], outs):
+                    vals[v] = arr
+                    mem.own(nbytes[v])
+            else:  # fused_cupy: one kernel writes the root and every export
+                args = [vals[i] for i in s.ins]
+                res = [s.backend.lib.empty(s.instr.shape, dtype=s.backend.dtype(ir_dt))
+                       for ir_dt in s.out_dtypes]
+                s.cuda_kernel(*args, *res)
+                for v, arr in zip([s.out, *s.exports], res):
+                    vals[v] = arr
+                    mem.own(nbytes[v])
+            for slot, pool in s.release:
+                mem.release(vals[slot], pool, nbytes[slot])
+                vals[slot] = None
+            for slot in s.drop:
+                vals[slot] = None
+        self.peak_bytes = mem.peak
+        self.allocations = mem.allocations
+        self.runs += 1
+        # a folded constant belongs to the plan: hand out a copy the caller may modify
+        outs = []
+        for o in plan.outs:
+            copy = plan.copy_preset(o) if plan.presets else None
+            outs.append(vals[o] if copy is None else copy)
+        return outs
+
+
+_DEFAULT: list[Executor] = []
+
+
+def default_executor() -> Executor:
+    """The process's executor (made on first use, so importing starts nothing)."""
+    if not _DEFAULT:
+        _DEFAULT.append(Executor())
+    return _DEFAULT[0]
+
+
+def realize(nodes: Iterable[Node]) -> None:
+    """Realise ``nodes`` as one graph on the default executor."""
+    default_executor().realize(nodes)

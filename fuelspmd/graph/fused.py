@@ -1,0 +1,270 @@
+"""Fused elementwise groups: one step computes a whole chain of elementwise ops.
+
+The planner hands over a group (members in topological order, the last one the root; each
+member has the root's shape) and the group's external inputs. Three runners:
+
+- numpy: the members run as ufuncs with ``out=`` into a few preallocated buffers of the
+  root's shape, in cache-sized row chunks (:class:`NumpyFused`). Registers are assigned
+  like a register allocator: a member writes into one of its operands' buffers once that
+  operand is dead, so a chain runs in ONE buffer; an external input that dies here (a
+  "donor") may lend its buffer too; an exported member keeps a buffer of its own.
+- cupy: one generated ``ElementwiseKernel`` per group (:func:`cupy_source`).
+- any other Array API library: the members' own kernels, one after another.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.dtypes import DType, Shape, to_numpy
+
+from .passes import Instr
+
+__all__ = ["CHUNK_ELEMENTS", "NumpyFused", "Program", "build_program", "cupy_source"]
+
+
+def _where(c: Any, a: Any, b: Any, out: Any) -> None:
+    np.copyto(out, b)
+    np.copyto(out, a, where=c)
+
+
+def _astype(x: Any, out: Any) -> None:
+    np.copyto(out, x, casting="unsafe")
+
+
+def numpy_fn(name: str, ufunc: str) -> Callable[..., Any]:
+    if name == "where":
+        return _where
+    if name == "astype":
+        return _astype
+    return getattr(np, ufunc)
+
+
+class Program:
+    """A compiled group. Registers: external inputs, scalars, then temps (root's shape)."""
+
+    def __init__(self) -> None:
+        self.n_ext = 0
+        self.scalars: list[tuple[Any, DType]] = []
+        self.temps: list[DType] = []          # dtype per temp; shape is the root's
+        self.donor_of: dict[int, int] = {}    # temp -> external input it starts as
+        self.code: list[tuple[Instr, tuple[int, ...], int]] = []  # (member, arg regs, dest temp)
+        self.root_temp = -1
+        self.exports: list[tuple[int, int]] = []  # (value, temp) of members read outside
+        self.shape: Shape = ()
+
+    def reg_of_temp(self, t: int) -> int:
+        return self.n_ext + len(self.scalars) + t
+
+    @property
+    def new_temps(self) -> list[int]:
+        """Temps the runner allocates (not lent by a donor)."""
+        return [t for t in range(len(self.temps)) if t not in self.donor_of]
+
+
+def build_program(ir: list[Instr], members: list[int], ext: list[int], donors: set[int],
+                  exports: set[int] | None = None) -> Program:
+    """Compile ``members`` (topological, root last) reading external ``ext`` values.
+
+    ``donors`` are external values that die at this step and whose buffers may be
+    overwritten (only given on numpy). ``exports`` are members that later steps read too:
+    each gets a full buffer of its own that no other member writes.
+    """
+    exports = exports or set()
+    prog = Program()
+    root = members[-1]
+    prog.shape = ir[root].shape
+    prog.n_ext = len(ext)
+    ext_reg = {v: k for k, v in enumerate(ext)}
+    member_set = set(members)
+    scalar_reg: dict[int, int] = {}
+    for m in members:
+        for u in ir[m].ins:
+            if u not in member_set and u not in ext_reg and u not in scalar_reg:
+                c = ir[u]
+                scalar_reg[u] = len(prog.scalars)
+                prog.scalars.append((c.attrs[0], c.dtype))
+    last_use: dict[int, int] = {}
+    for pos, m in enumerate(members):
+        for u in ir[m].ins:
+            last_use[u] = pos
+    temp_of: dict[int, int] = {}
+    for v in ext:
+        if v in donors:
+            t = len(prog.temps)
+            prog.temps.append(ir[v].dtype)
+            prog.donor_of[t] = ext_reg[v]
+            temp_of[v] = t
+    free: list[int] = []
+    for pos, m in enumerate(members):
+        ins = ir[m]
+        dest = -1
+        for i, u in enumerate(ins.ins):
+            t = temp_of.get(u, -1)
+            if (t >= 0 and last_use[u] == pos and i in (ins.op.inplace_ok or ())
+                    and prog.temps[t] is ins.dtype and u not in exports and m not in exports):
+                dest = t
+                break
+        if dest < 0 and m not in exports:
+            dest = next((t for t in free if prog.temps[t] is ins.dtype), -1)
+            if dest >= 0:
+                free.remove(dest)
+        if dest < 0:
+            dest = len(prog.temps)
+            prog.temps.append(ins.dtype)
+        args = []
+        for u in ins.ins:
+            if u in temp_of:
+                args.append(-1 - temp_of[u])  # temps resolved after scalars are counted
+            elif u in ext_reg:
+                args.append(ext_reg[u])
+            else:
+                args.append(prog.n_ext + scalar_reg[u])
+        for u in set(ins.ins):
+            t = temp_of.get(u, -1)
+            if (t >= 0 and last_use[u] == pos and t != dest and t not in free
+                    and u not in exports):
+                free.append(t)
+        temp_of[m] = dest
+        prog.code.append((ins, tuple(args), dest))
+    prog.root_temp = temp_of[root]
+    prog.exports = [(m, temp_of[m]) for m in members if m in exports]
+    base = prog.n_ext + len(prog.scalars)
+    prog.code = [(ins, tuple(base + (-1 - a) if a < 0 else a for a in args), base + dest)
+                 for ins, args, dest in prog.code]
+    return prog
+
+
+CHUNK_ELEMENTS = 32768  # a chunk of every array of a fused step stays in the core's cache
+
+
+class NumpyFused:
+    """A program prepared for numpy: ufuncs with ``out=``, run in cache-sized row chunks.
+
+    Running every member over a block of rows before moving to the next block keeps the
+    intermediates in cache, which is the point of fusing on a CPU: a chain of k ops reads
+    and writes main memory about once instead of k times. The root's buffer (or a donor's)
+    is full-size; scratch temps hold one chunk. Chunks are along axis 0: an input with the
+    root's leading size is sliced, any other input broadcasts to every chunk unchanged.
+    """
+
+    def __init__(self, prog: Program, ext_shapes: list[Shape]) -> None:
+        self.prog = prog
+        self.fns = [numpy_fn(ins.op.name, ins.op.ufunc or "") for ins, _, _ in prog.code]
+        self.base = prog.n_ext + len(prog.scalars)
+        shape = prog.shape
+        row = math.prod(shape[1:]) if shape else 1
+        lead = shape[0] if shape else 1
+        rows = max(1, CHUNK_ELEMENTS // max(row, 1))
+        self.rows = rows if shape and lead > rows else 0
+        self.full_new = [prog.root_temp] if prog.root_temp not in prog.donor_of else []
+        self.full_new += [t for _, t in prog.exports]
+        self.scratch = [t for t in prog.new_temps if t not in self.full_new]
+        self.scratch_shape: Shape = ((min(rows, lead), *shape[1:]) if self.rows else shape)
+        full = [*prog.donor_of, *self.full_new]
+        self.sliced = [k for k, sh in enumerate(ext_shapes)
+                       if len(sh) == len(shape) and shape and sh[0] == lead and lead != 1]
+        self.sliced += [self.base + t for t in full]
+        self.scratch_regs = [self.base + t for t in self.scratch]
+
+    def run(self, regs: list[Any]) -> Any:
+        """Run with ``regs`` filled (inputs, scalars, temps); return the root's array."""
+        code, fns = self.prog.code, self.fns
+        if not self.rows:
+            for fn, (_, args, dest) in zip(fns, code):
+                fn(*[regs[i] for i in args], out=regs[dest])
+            return regs[self.base + self.prog.root_temp]
+        lead, view = self.prog.shape[0], list(regs)
+        for r0 in range(0, lead, self.rows):
+            r1 = min(lead, r0 + self.rows)
+            for i in self.sliced:
+                view[i] = regs[i][r0:r1]
+            if r1 - r0 < self.rows:
+                for i in self.scratch_regs:
+                    view[i] = regs[i][: r1 - r0]
+            for fn, (_, args, dest) in zip(fns, code):
+                fn(*[view[i] for i in args], out=view[dest])
+        return regs[self.base + self.prog.root_temp]
+
+
+def scalar_for(value: Any, dt: DType, be: Any) -> Any:
+    """The scalar register of a const fill: a typed numpy scalar, or a 0-d array."""
+    if be.kind == "cpu":
+        return to_numpy(dt).type(value)
+    return be.xp.asarray(value, dtype=be.dtype(dt))
+
+
+def run_generic(prog: Program, be: Any, regs: list[Any]) -> list[Any]:
+    """Run a program with each member's own Array API kernel (no out=).
+
+    Returns the root's array, then each export's.
+    """
+    for ins, args, dest in prog.code:
+        regs[dest] = ins.op.kernel(be, ins.attrs, *(regs[i] for i in args))
+    outs = []
+    for t in [prog.root_temp, *(t for _, t in prog.exports)]:
+        out = regs[prog.reg_of_temp(t)]
+        if tuple(out.shape) != prog.shape:  # a fill read as a scalar narrowed the broadcast
+            out = be.xp.broadcast_to(out, prog.shape)
+        outs.append(out)
+    return outs
+
+
+_CTYPES = {"float16": "float16", "float32": "float", "float64": "double", "int32": "int",
+           "int64": "long long", "bool": "bool"}
+
+
+def cupy_source(prog: Program, ir: list[Instr]) -> tuple[str, str, str]:
+    """Return (in_params, out_params, body) of a cupy ElementwiseKernel for ``prog``.
+
+    Each member becomes one line ``T r = expr;`` from its op's ``cexpr`` template (``a``,
+    ``b``, ``c`` name its operands, ``T`` its dtype); constants are inlined as literals.
+    """
+    names = [f"x{k}" for k in range(prog.n_ext)]
+    names += [repr(v) if not isinstance(v, bool) else str(v).lower() for v, _ in prog.scalars]
+    base = len(names)
+    names += [f"t{t}" for t in range(len(prog.temps))]
+    lines = []
+    declared: set[int] = set()
+    for t, k in prog.donor_of.items():
+        lines.append(f"{_CTYPES[prog.temps[t].name]} t{t} = x{k};")
+        declared.add(t)
+    for ins, args, dest in prog.code:
+        ctype = _CTYPES[ins.dtype.name]
+        expr = ins.op.cexpr or ""
+        letters = "cab" if ins.op.name == "where" else "abc"
+        ops = {**dict(zip(letters, (f"({names[i]})" for i in args))), "T": ctype}
+        expr = re.sub(r"\b([abcT])\b", lambda m, ops=ops: ops[m.group(1)], expr)
+        t = dest - base
+        decl = "" if t in declared else f"{ctype} "
+        declared.add(t)
+        lines.append(f"{decl}t{t} = {expr};")
+    lines.append(f"out = t{prog.root_temp};")
+    lines += [f"e{k} = t{t};" for k, (_, t) in enumerate(prog.exports)]
+    in_params = ", ".join(f"{_CTYPES[ir_dtype.name]} x{k}"
+                          for k, ir_dtype in enumerate(_ext_dtypes(prog, ir)))
+    out_params = ", ".join([f"{_CTYPES[prog.temps[prog.root_temp].name]} out"] + [
+        f"{_CTYPES[prog.temps[t].name]} e{k}" for k, (_, t) in enumerate(prog.exports)])
+    return in_params, out_params, "\n".join(lines)
+
+
+def _ext_dtypes(prog: Program, ir: list[Instr]) -> list[DType]:
+    found: dict[int, DType] = {}
+    for ins, args, _ in prog.code:
+        for pos, r in enumerate(args):
+            if r < prog.n_ext:
+                found[r] = ir[ins.ins[pos]].dtype
+    return [found[k] for k in range(prog.n_ext)]
+
+
+def cupy_kernel(prog: Program, ir: list[Instr]) -> Any:
+    """Build the cupy ElementwiseKernel of ``prog`` (cupy imported here, on first use)."""
+    import cupy
+
+    in_params, out_params, body = cupy_source(prog, ir)
+    return cupy.ElementwiseKernel(in_params, out_params, body, "fuelspmd_fused")

@@ -1,0 +1,140 @@
+"""Graph nodes and hash-consing.
+
+A :class:`Node` is one value of the lazy graph: an op applied to input nodes with static
+attributes, its shape, dtype and device fixed when it is built. A node holding a
+``buffer`` is realised: it has dropped its inputs (realised history costs no memory) and
+acts as a leaf from then on.
+
+Hash-consing: :func:`make` returns the existing node when the same op is applied to the
+same inputs (by identity) with the same attributes, so common subexpressions are one node
+from the start. The table holds nodes weakly; its key holds the inputs, which the node
+holds anyway, and a realised node leaves the table (it has dropped its inputs). The
+device needs no place in the key: it follows from the inputs, or for a constant from its
+attributes. Effectful ops are never merged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from fuelspmd.backend import Device
+from fuelspmd.dtypes import DType, Shape
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.errors import DeviceError
+
+from .op import Attrs, Op, get_op
+
+__all__ = ["Node", "array_dtype", "canonical", "const", "leaf", "make", "mark_realised"]
+
+
+class Node:
+    """One value of the graph; see the module docstring."""
+
+    __slots__ = ("__weakref__", "attrs", "buffer", "device", "dtype", "inputs", "key", "op",
+                 "shape")
+
+    def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: Attrs, shape: Shape,
+                 dtype: DType, device: Device, buffer: Any = None) -> None:
+        self.op = op
+        self.inputs = inputs
+        self.attrs = attrs
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.buffer = buffer
+        self.key: tuple[Any, ...] | None = None
+
+    @property
+    def realised(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __repr__(self) -> str:
+        state = "realised" if self.buffer is not None else f"{len(self.inputs)} inputs"
+        return f"Node({self.op.name}, {self.shape}, {self.dtype}, {self.device}, {state})"
+
+
+_INTERNED: weakref.WeakValueDictionary[tuple[Any, ...], Node] = weakref.WeakValueDictionary()
+
+
+def make(name: str, inputs: tuple[Node, ...] | list[Node], attrs: Attrs = ()) -> Node:
+    """Build (or find) the node ``name(inputs; attrs)``, running the op's shape rule now."""
+    op = get_op(name)
+    inputs = tuple(inputs)
+    if inputs and op.name != "to":
+        dev = inputs[0].device
+        for x in inputs[1:]:
+            if x.device is not dev and x.device != dev:
+                raise DeviceError(
+                    f"{name}: inputs live on {dev} and {x.device}; move one with "
+                    f".to({str(dev)!r}) first")
+    key = None
+    if not op.effectful:
+        key = (op, inputs, attrs)  # the inputs themselves: the node holds them anyway
+        found = _INTERNED.get(key)
+        if found is not None:
+            return found
+    shape, dt, dev = op.rule(inputs, attrs)
+    node = Node(op, inputs, attrs, tuple(shape), dt, dev)
+    if key is not None:
+        node.key = key
+        _INTERNED[key] = node
+    return node
+
+
+_DEVICES: dict[Device, Device] = {}
+
+
+def canonical(device: Device) -> Device:
+    """The one Device object used for ``device`` in graphs: equal devices become the same
+    object, so the hot checks are identity checks."""
+    return _DEVICES.setdefault(device, device)
+
+
+def leaf(buffer: Any, device: Device) -> Node:
+    """Return a realised node holding ``buffer`` (an array of ``device``'s library)."""
+    return Node(get_op("leaf"), (), (), tuple(int(d) for d in buffer.shape),
+                array_dtype(buffer), canonical(device), buffer)
+
+
+def const(value: float | int | bool, shape: Shape, dt: DType, device: Device) -> Node:
+    """Return the node of an array of ``shape`` filled with ``value`` (structure, not data)."""
+    if dt.is_bool:
+        value = bool(value)
+    elif dt.is_integer:
+        value = int(value)
+    else:
+        value = float(value)
+    return make("const", (), (value, tuple(shape), dt, canonical(device)))
+
+
+def mark_realised(node: Node, buffer: Any) -> None:
+    """Give ``node`` its buffer and drop its inputs (and its hash-consing entry)."""
+    if node.key is not None and _INTERNED.get(node.key) is node:
+        del _INTERNED[node.key]
+    node.key = None
+    node.buffer = buffer
+    node.inputs = ()
+
+
+_ARRAY_DTYPES: dict[type, dict[Any, DType]] = {}  # per library's dtype class: no mixing
+
+
+def array_dtype(arr: Any) -> DType:
+    """Return the DType of an array of any supported library (array-api-strict included)."""
+    dt = arr.dtype
+    known = _ARRAY_DTYPES.setdefault(type(dt), {})
+    found = known.get(dt)
+    if found is None:
+        name = getattr(dt, "name", None)
+        if name is None:  # array-api-strict's dtypes print as 'array_api_strict.float32'
+            name = str(dt).rpartition(".")[2]
+        found = known[dt] = as_dtype(name)
+    return found

@@ -1,0 +1,67 @@
+"""The op table: one :class:`Op` per primitive.
+
+Each entry holds everything the graph knows about a primitive, side by side:
+
+- ``rule(inputs, attrs) -> (shape, dtype, device)``: runs when a node is built, so a bad
+  shape or dtype raises there (``ShapeError``/``DTypeError`` naming the op and the shapes),
+  never at run time;
+- ``kernel(backend, *arrays, attrs)``: written once against the Array API namespace
+  ``backend.xp``, so the same kernel serves numpy, cupy and array-api-strict;
+- ``vjp(g, node, wants)``: the backward, built as more graph nodes (``wants[i]`` says
+  whether input ``i`` needs a cotangent; the rule returns ``None`` where it does not);
+- ``kind``: how the optimiser may treat it. ``elementwise`` ops may be fused (``ufunc`` names
+  the numpy ufunc of the CPU out= path, ``cexpr`` the C expression of the cupy kernel);
+  ``view`` ops return an alias of their input's memory; ``effectful`` ops (collectives,
+  added by the communicator layer) are never merged, folded or dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["OPS", "Op", "get_op", "register"]
+
+Attrs = tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Op:
+    """A primitive: shape/dtype rule, Array API kernel and vjp, beside each other."""
+
+    name: str
+    rule: Callable[..., Any]
+    kernel: Callable[..., Any] | None
+    vjp: Callable[..., Any] | None = None
+    kind: str = "other"  # elementwise | view | reduce | other | leaf | const
+    ufunc: str | None = None
+    cexpr: str | None = None
+    inplace_ok: tuple[int, ...] | None = None  # operands a fused CPU step may overwrite
+    effectful: bool = False
+
+    @property
+    def fusable(self) -> bool:
+        return self.kind == "elementwise" and self.ufunc is not None and not self.effectful
+
+    def __repr__(self) -> str:
+        return f"Op({self.name})"
+
+
+OPS: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    """Add ``op`` to the table; a name is registered once."""
+    if op.name in OPS:
+        raise RuntimeError(f"op {op.name!r} is registered twice")
+    OPS[op.name] = op
+    return op
+
+
+def get_op(name: str) -> Op:
+    """Return the op called ``name``."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise RuntimeError(f"no op {name!r} in the table; known: {sorted(OPS)}") from None

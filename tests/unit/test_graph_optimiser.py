@@ -1,0 +1,261 @@
+"""The optimiser, the plan cache and the executor's memory accounting."""
+
+from __future__ import annotations
+
+import tracemalloc
+import weakref
+
+import numpy as np
+import pytest
+
+import fuelspmd as fs
+from fuelspmd import graph
+
+
+def _plan(*ts: fs.Tensor) -> graph.Plan:
+    plan, _ = graph.Executor().plan([t.node for t in ts])
+    return plan
+
+
+def _ops(plan: graph.Plan) -> list[str]:
+    names = []
+    for s in plan.steps:
+        names += [ins.op.name for ins, _, _ in s.prog.code] if s.prog else [s.instr.op.name]
+    return names
+
+
+def test_hash_consing_merges_common_subexpressions_at_build_time() -> None:
+    x = fs.tensor(np.arange(4.0))
+    assert (x * 2).node is (x * 2).node
+    assert ((x * 2).exp() + 1).node is ((x * 2).exp() + 1).node
+    assert (x * 2).node is not (x * 3).node
+    y = (x * 2).exp()
+    z = y + y
+    assert z.node.inputs[0] is z.node.inputs[1]
+    np.testing.assert_allclose(z.numpy(), 2 * np.exp(2 * np.arange(4.0)))
+
+
+def test_dead_code_is_not_planned() -> None:
+    x = fs.tensor(np.arange(1.0, 5.0))
+    y = x.exp()
+    unused = x.log() * 7  # built, never asked for
+    assert "log" not in _ops(_plan(y))
+    assert unused.node.buffer is None
+
+
+def test_constants_fold_at_plan_time() -> None:
+    c = fs.ones(3) * 2 + 1
+    plan = _plan(c)
+    assert _ops(plan) == ["const"]  # one fill of 3.0, no arithmetic left
+    np.testing.assert_array_equal(c.numpy(), [3.0, 3.0, 3.0])
+    x = fs.tensor(np.arange(3.0))
+    y = x * (fs.ones(()) * 4 - 1)
+    assert _ops(_plan(y)) == ["mul"]
+    np.testing.assert_array_equal(y.numpy(), np.arange(3.0) * 3)
+
+
+def test_algebraic_simplification() -> None:
+    a = np.arange(24.0).reshape(2, 3, 4)
+    x = fs.tensor(a)
+    y = x.reshape(6, 4).reshape(4, 6).reshape(24)
+    assert _ops(_plan(y)) == ["reshape"]
+    np.testing.assert_array_equal(y.numpy(), a.reshape(24))
+    t = fs.tensor(a).transpose(1, 2, 0).transpose(2, 0, 1)
+    assert _plan(t).steps == []  # double transpose is the identity
+    np.testing.assert_array_equal(t.numpy(), a)
+    z = fs.tensor(a) * 1 + 0
+    assert _plan(z).steps == []
+    w = (fs.tensor(a) * 1.0).exp()
+    assert _ops(_plan(w)) == ["exp"]
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "strict:0"])
+def test_an_elementwise_chain_is_one_fused_step(device: str) -> None:
+    a = np.linspace(-1, 1, 1000)
+    x = fs.tensor(a, device=device)
+    y = ((x * 3 + 1).tanh() * 0.5 - x).exp()
+    plan = _plan(y)
+    assert len(plan.steps) == 1 and plan.n_fused_ops == 6
+    if device == "cpu:0":
+        assert plan.steps[0].kind == "fused" and len(plan.steps[0].prog.temps) == 1
+    np.testing.assert_allclose(y.numpy(), np.exp(np.tanh(a * 3 + 1) * 0.5 - a), rtol=1e-13)
+
+
+def test_fused_step_writes_into_a_dying_input_buffer() -> None:
+    n = 1 << 16
+    x = fs.tensor(np.ones((n,)))
+    w = fs.tensor(np.full((1, 1), 2.0))
+    m = x.reshape(n, 1) @ w  # a buffer the executor owns, dead after the next op
+    y = (m + 1).tanh() * 2
+    ex = graph.Executor()
+    plan, leaves = ex.plan([y.node])
+    (out,) = ex.run(plan, leaves)
+    assert ex.allocations == 1  # the matmul's buffer is reused by the fused chain
+    assert ex.peak_bytes == n * 8
+    np.testing.assert_allclose(out.ravel(), np.tanh(3.0) * 2)
+
+
+def test_released_buffers_are_reused_by_later_steps() -> None:
+    n = 64
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n)) / 8
+    x, w = fs.tensor(a), fs.tensor(b)
+    y = ((x @ w) @ w) @ w
+    ex = graph.Executor()
+    plan, leaves = ex.plan([y.node])
+    (out,) = ex.run(plan, leaves)
+    assert ex.allocations == 2  # three products in two buffers
+    assert ex.peak_bytes == 2 * n * n * 8
+    np.testing.assert_allclose(out, a @ b @ b @ b, rtol=1e-12)
+
+
+def test_peak_bytes_count_what_is_live_and_agree_with_tracemalloc() -> None:
+    n = 100_000
+    x = fs.tensor(np.linspace(0, 1, n))
+    e = x.exp()
+    out = e.sum() + e.max()
+    ex = graph.Executor()
+    plan, leaves = ex.plan([out.node])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ex.run(plan, leaves)
+        traced = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert n * 8 <= ex.peak_bytes <= n * 8 + 64
+    assert abs(traced - ex.peak_bytes) < 8 * 1024
+
+
+def test_realised_history_is_dropped() -> None:
+    x = fs.tensor(np.arange(3.0))
+    mid = x * 2
+    out = mid.exp()
+    ref = weakref.ref(mid.node)
+    del mid
+    out.realize()
+    assert out.node.inputs == () and out.node.buffer is not None
+    assert ref() is None  # nothing keeps the intermediate alive
+    again = out + 1  # a realised tensor is a leaf for what follows
+    np.testing.assert_allclose(again.numpy(), np.exp(2 * np.arange(3.0)) + 1)
+
+
+def test_plan_key_is_structure_not_data() -> None:
+    ex = graph.Executor()
+
+    def build(a: np.ndarray) -> fs.Tensor:
+        return (fs.tensor(a) * 2).sum(0)
+
+    for k in range(3):
+        ex.realize([build(np.full((4, 5), float(k))).node])
+    assert (ex.cache.misses, ex.cache.hits) == (1, 2)
+    ex.realize([build(np.ones((5, 4))).node])  # another shape: another plan
+    ex.realize([build(np.ones((4, 5), np.float32)).node])  # another dtype too
+    assert (ex.cache.misses, ex.cache.hits) == (3, 2)
+
+
+def test_training_loop_hits_the_plan_cache_from_step_two() -> None:
+    rng = np.random.default_rng(0)
+    xs, ys = rng.standard_normal((32, 8)), rng.standard_normal((32, 2))
+    w_np = rng.standard_normal((8, 2)) * 0.1
+    w = fs.tensor(w_np)
+    cache = graph.default_executor().cache
+    counts = []
+    for _ in range(5):
+        before = (cache.misses, cache.hits)
+        loss = ((fs.tensor(xs) @ w - fs.tensor(ys)) ** 2).mean()
+        (g,) = fs.grad(loss, [w])
+        w = w - 0.1 * g
+        fs.realize(loss, w)
+        counts.append((cache.misses - before[0], cache.hits - before[1]))
+        gw = 2 * xs.T @ (xs @ w_np - ys) / ys.size
+        w_np = w_np - 0.1 * gw
+        np.testing.assert_allclose(w.numpy(), w_np, rtol=1e-12)
+    assert counts[0] == (1, 0)
+    assert all(c == (0, 1) for c in counts[1:])
+
+
+def test_deep_graphs_build_plan_and_run_without_recursion() -> None:
+    x = fs.tensor(np.array([0.5]))
+    y = x
+    for _ in range(5000):
+        y = (y * 0.999).tanh() + 0.001
+    want = np.array([0.5])
+    for _ in range(5000):
+        want = np.tanh(want * 0.999) + 0.001
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-12)
+
+
+def test_several_outputs_share_work_and_keep_distinct_buffers() -> None:
+    a = np.arange(6.0).reshape(2, 3)
+    x = fs.tensor(a)
+    e = x.exp()
+    s, m, v = fs.realize(e.sum(), e * 2, e.reshape(3, 2))
+    np.testing.assert_allclose(s.numpy(), np.exp(a).sum())
+    np.testing.assert_allclose(m.numpy(), 2 * np.exp(a))
+    np.testing.assert_allclose(v.numpy(), np.exp(a).reshape(3, 2))
+
+
+def test_fused_chunks_handle_broadcasts_scratch_and_a_partial_last_chunk() -> None:
+    from fuelspmd.graph.fused import CHUNK_ELEMENTS
+
+    rng = np.random.default_rng(3)
+    rows = CHUNK_ELEMENTS // 37 * 2 + 116  # two full chunks and a short one
+    a, b, c = rng.standard_normal((rows, 37)), rng.standard_normal(37), rng.standard_normal(
+        (rows, 1))
+    x, y, z = fs.tensor(a), fs.tensor(b), fs.tensor(c)
+    out = (x * y + z).tanh() * ((x - z).exp() + y * 2)  # two subtrees: a scratch temp
+    plan = _plan(out)
+    step = plan.steps[-1]  # y * 2 is smaller than the root: a step of its own
+    assert step.runner.rows and step.runner.scratch
+    np.testing.assert_allclose(out.numpy(), np.tanh(a * b + c) * (np.exp(a - c) + b * 2),
+                               rtol=1e-13)
+
+
+_RUNS: list[int] = []
+
+
+def _effectful_op() -> graph.Op:
+    """A real effectful primitive (a copy that counts its runs), the shape collectives
+    will have: never merged, folded or dropped."""
+    name = "test_counted_copy"
+    if name not in graph.OPS:
+        def kernel(be: object, attrs: tuple, x: object) -> object:
+            _RUNS.append(1)
+            return be.xp.asarray(x, copy=True)  # type: ignore[attr-defined]
+
+        def rule(ins: tuple, attrs: tuple) -> tuple:
+            return ins[0].shape, ins[0].dtype, ins[0].device
+
+        graph.register(graph.Op(name, rule, kernel, None, "other", effectful=True))
+    return graph.OPS[name]
+
+
+def test_effectful_ops_are_never_merged_or_folded() -> None:
+    op = _effectful_op()
+    c = fs.ones(3)
+    a = fs.Tensor(graph.make(op.name, (c.node,)))
+    b = fs.Tensor(graph.make(op.name, (c.node,)))
+    assert a.node is not b.node  # no hash-consing
+    before = len(_RUNS)
+    out = (a + b).numpy()
+    assert len(_RUNS) - before == 2  # both ran, at run time, on a constant input
+    np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+
+
+def test_cupy_kernel_source_for_a_fused_group() -> None:
+    from fuelspmd.graph.fused import build_program, cupy_source
+
+    x = fs.tensor(np.ones((4, 3), np.float32))
+    y = fs.tensor(np.ones(3, np.float32))
+    out = fs.where(x > 0, (x * 2 + y).tanh(), 0.5)
+    sigs, _, outs = graph.lower([out.node])
+    ir, _, _ = graph.optimise(sigs, outs)
+    members = [i for i, ins in enumerate(ir) if ins.op.kind == "elementwise"]
+    ext = [i for i, ins in enumerate(ir) if ins.op.kind == "leaf"]
+    prog = build_program(ir, members, ext, set())
+    ins, outs_p, body = cupy_source(prog, ir)
+    assert ins == "float x0, float x1"
+    assert outs_p == "float out"
+    assert "tanh(" in body and "? " in body and "2.0" in body and "0.5" in body
+    assert body.strip().splitlines()[-1].startswith("out = t")

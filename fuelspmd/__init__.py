@@ -27,6 +27,7 @@ from fuelspmd.dtypes import (
 from fuelspmd.errors import (
     CacheCapacityError,
     CacheError,
+    CacheUsageError,
     CollectiveMismatchError,
     CommError,
     CommTimeoutError,
@@ -67,6 +68,7 @@ _LAZY = {
 __all__ = [
     "CacheCapacityError",
     "CacheError",
+    "CacheUsageError",
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",

@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "CacheCapacityError",
     "CacheError",
+    "CacheUsageError",
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
@@ -76,3 +77,8 @@ class CacheError(FuelError):
 
 class CacheCapacityError(CacheError, ValueError):
     """A request for more KV cache blocks than the pool holds."""
+
+
+class CacheUsageError(CacheError, ValueError):
+    """A KV cache call that breaks the protocol: an unknown or already allocated sequence, a
+    double free, a bad token count."""

@@ -51,7 +51,7 @@ from itertools import pairwise
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Link, Topology
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "Choice", "CostModel", "Estimate"]
+__all__ = ["ALGORITHMS", "COLLECTIVES", "OPT_IN", "Choice", "CostModel", "Estimate"]
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("ring", "halving_doubling", "doubling", "hierarchical"),
@@ -62,6 +62,13 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "send_recv": ("direct",),
 }
 COLLECTIVES = tuple(ALGORITHMS)
+# Priced only when asked for (``opt_in=True``): the MPI transport runs them only once the
+# layer above switches them on, so a default prediction (and the calibration fit, which
+# models what the transport runs by default) must not assume them.
+OPT_IN: dict[str, tuple[str, ...]] = {"all_reduce": ("shm",)}
+# Python and bookkeeping of one shared-memory all-reduce beyond its three barriers
+# (fuelspmd bench shm, 2 ranks, 2-core machine: about 0.1 ms at 64 KiB)
+SHM_CALL_OVERHEAD_S = 1e-4
 
 # A step algorithm: per step, the pairs exchanging at once, bytes each way, whether they reduce.
 Steps = list[tuple[list[tuple[int, int]], float, bool]]
@@ -120,13 +127,18 @@ class CostModel:
 
     # ----- public ------------------------------------------------------------------------
 
-    def algorithms(self, collective: str, group: Sequence[int]) -> list[str]:
-        """The algorithms that apply to ``collective`` over ``group``."""
+    def algorithms(self, collective: str, group: Sequence[int], *,
+                   opt_in: bool = False) -> list[str]:
+        """The algorithms that apply to ``collective`` over ``group`` (with ``opt_in``, also
+        those in :data:`OPT_IN` that apply: shm for a group on one CPU node)."""
         names = list(self._known(collective))
         parts = self.topology.by_node(group)
         sizes = {len(p) for p in parts.values()}
         if "hierarchical" in names and (len(parts) < 2 or len(sizes) != 1 or sizes == {1}):
             names.remove("hierarchical")
+        if opt_in and "shm" in OPT_IN.get(collective, ()) and len(parts) == 1 \
+                and self.topology.nodes[next(iter(parts))].fabric.kind == "shm":
+            names.append("shm")
         return names
 
     def estimate(self, collective: str, nbytes: float, group: Sequence[int], *,
@@ -148,10 +160,16 @@ class CostModel:
                        for a in self.algorithms(collective, members)), key=lambda e: e.seconds)
             self._memo[key] = est
             return est
-        if algorithm not in self._known(collective):
+        known = self._known(collective) + OPT_IN.get(collective, ())
+        if algorithm not in known:
             raise ConfigError(f"{collective} has no algorithm {algorithm!r}; use one of "
-                              f"{list(self._known(collective))}")
-        if algorithm not in self.algorithms(collective, members):
+                              f"{list(known)}")
+        if algorithm == "shm" and algorithm not in self.algorithms(collective, members,
+                                                                    opt_in=True):
+            raise ConfigError(f"shm {collective} needs a group of CPU ranks on one node "
+                              f"(a shared-memory fabric); this group spans "
+                              f"{len(self.topology.by_node(members))} node(s)")
+        if algorithm != "shm" and algorithm not in self.algorithms(collective, members):
             raise ConfigError(f"{algorithm} {collective} needs >= 2 nodes holding the same "
                               f"number (>= 2) of the group's ranks; this group has "
                               f"{[len(p) for p in self.topology.by_node(members).values()]} "
@@ -167,11 +185,14 @@ class CostModel:
                              concurrent=concurrent).seconds
 
     def best_algorithm(self, collective: str, nbytes: float, group: Sequence[int], *,
-                       concurrent: int = 1) -> Choice:
-        """The fastest algorithm, every candidate's time, and why it wins, in words."""
+                       concurrent: int = 1, opt_in: bool = False) -> Choice:
+        """The fastest algorithm, every candidate's time, and why it wins, in words.
+
+        ``opt_in`` also weighs the algorithms of :data:`OPT_IN` (see :meth:`shm_min_bytes`
+        for when the shm all-reduce should be switched on)."""
         members = self._group(collective, group)
         ests = [self.estimate(collective, nbytes, members, algorithm=a, concurrent=concurrent)
-                for a in self.algorithms(collective, members)]
+                for a in self.algorithms(collective, members, opt_in=opt_in)]
         ests.sort(key=lambda e: e.seconds)
         best = ests[0]
         parts = self.topology.by_node(members)
@@ -229,6 +250,8 @@ class CostModel:
             return Estimate(algorithm, 0.0, 0.0, 0.0, "one rank: nothing moves")
         if algorithm == "hierarchical":
             return self._hierarchical(collective, nbytes, g, concurrent)
+        if algorithm == "shm":
+            return self._shm(nbytes, g, concurrent)
         if algorithm == "ring":
             factor = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[collective]
             reduce = collective != "all_gather"
@@ -341,6 +364,50 @@ class CostModel:
             if step_x > worst:
                 worst, bound = step_x, kind
         return Estimate(algorithm, lat, xfer, red, bound or "latency")
+
+    def _shm(self, nbytes: float, g: list[int], concurrent: int) -> Estimate:
+        """The shared-memory all-reduce of ``fuelspmd_mpi`` (copy-in variant).
+
+        Three barriers (``ceil(log2 n)`` latencies each) and a fixed per-call overhead; each
+        rank copies ``(n-1)/n N`` in and ``(n-1)/n N`` out and writes its reduced ``N/n``
+        twice, ``(2n-1)/n N`` of copies, at twice the fabric's bandwidth (an MPI byte sent
+        through shared memory is copied twice, into the shared queue and out); the fold of
+        ``(n-1)/n N`` bytes costs what the ring's does.
+        """
+        n = len(g)
+        node = self.topology.nodes[self.topology.node_index(g[0])]
+        slow, late = node.crowding(n * concurrent)
+        alpha = late if late is not None else node.fabric.latency
+        latency = 3 * math.ceil(math.log2(n)) * alpha + SHM_CALL_OVERHEAD_S
+        transfer = (2 * n - 1) / n * nbytes * slow / (2 * node.fabric.bandwidth)
+        reduce = (n - 1) / n * nbytes * self._gamma(g, concurrent)
+        return Estimate("shm", latency, transfer, reduce,
+                        f"memory copies at {2 * node.fabric.bandwidth / slow / 1e9:.1f} GB/s")
+
+    def shm_min_bytes(self, group: Sequence[int], *, llc_bytes: int, concurrent: int = 1,
+                      largest: int = 1 << 34) -> int | None:
+        """The smallest power-of-two all-reduce size at which to switch the shm path on.
+
+        The MPI transport's ``set_all_reduce_policy(algorithm="shm", min_bytes=...)`` takes
+        it; None when shm never wins up to ``largest`` (or the group is not one CPU node).
+        Two conditions, both measured (``fuelspmd bench shm``, docs/topology.md): the
+        alpha-beta estimate of shm beats every default algorithm, and the ring's working
+        set, ``n * N``, exceeds the node's last-level cache ``llc_bytes``. Below that, MPI's
+        copies stay in cache while shm's (twice the footprint: the shared window as well)
+        do not, and the ring beats its calibrated bandwidth: on a 48 MiB L3 at 2 ranks
+        shm lost at 16 MiB (0.93x) and won at 32 MiB (1.3x), which no alpha-beta term says.
+        """
+        members = self._group("all_reduce", group)
+        if "shm" not in self.algorithms("all_reduce", members, opt_in=True):
+            return None
+        nbytes = 1
+        while nbytes <= largest:
+            if len(members) * nbytes > llc_bytes and self.best_algorithm(
+                    "all_reduce", nbytes, members, concurrent=concurrent,
+                    opt_in=True).algorithm == "shm":
+                return nbytes
+            nbytes *= 2
+        return None
 
     def _hierarchical(self, collective: str, nbytes: float, g: list[int],
                       concurrent: int) -> Estimate:

@@ -6,18 +6,24 @@ queues: a ring or Rabenseifner all-reduce copies the data in and out of those qu
 Here every rank maps every other rank's segment of one ``MPI_Win_allocate_shared`` window
 and works on it with plain loads and stores (numpy, ``out=``):
 
-1. copy in: rank ``r`` copies its buffer into its own segment ``S_r`` (skipped when the
-   buffer already *is* the start of ``S_r``: :meth:`ShmAllReduce.shared_buffer`);
+1. copy in: rank ``r`` copies its buffer into its own segment ``S_r``, all but its own
+   slice (below), which it reads from its buffer directly; skipped when the buffer already
+   *is* the start of ``S_r`` (:meth:`ShmAllReduce.shared_buffer`);
 2. sync; reduce: rank ``r`` owns the slice ``[lo_r, hi_r)`` (``count/n`` elements, the
-   first ``count % n`` ranks one more) and writes ``S_0[i] op S_1[i] op ... op S_{n-1}[i]``,
-   folded left in rank order, into ``S_r[lo_r:hi_r]``, in cache-sized chunks;
-3. sync; copy out: every rank copies slice ``k`` from ``S_k`` for every ``k``;
+   first ``count % n`` ranks one more) and folds ``x_0[i] op x_1[i] op ... op x_{n-1}[i]``
+   left in rank order, in chunks that stay in cache, writing each chunk to ``S_r`` (for
+   the peers) and to its own buffer;
+3. sync; copy out: every rank copies slice ``k`` from ``S_k`` for every ``k != r``;
 4. sync, so no rank writes its segment again (the next call, or a caller filling a
    :meth:`~ShmAllReduce.shared_buffer`) while a peer still reads it.
 
-The data crosses memory about ``2 + 2/n`` times per rank (copy in: read + write; reduce:
-read ``n`` slices of ``N/n``, write one; copy out: read + write ``N``), against about
-``4 (n-1)/n`` sends and copies for MPI's ring, and there is no message matching.
+Per rank that is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold,
+``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, against about
+``4 (n-1)/n`` sends and copies for MPI's ring, and no message matching.
+
+A pipelined variant (blocks of 1-4 MiB through a small double-buffered window, two
+barriers per block) was measured and dropped: 0.6-0.8x of MPI at 16 MiB and 64 MiB on 2
+ranks on 2 busy cores, since every barrier waits for the last-scheduled rank.
 
 Results: the fixed left fold in rank order means every rank gets the bitwise-same result,
 equal to ``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; MPI may associate a float
@@ -35,9 +41,9 @@ Windows are allocated once per size class (powers of two, at least 64 KiB) and k
 :meth:`ShmAllReduce.free`; their total per rank is capped (``cap_bytes``), and a call that
 would need a window beyond the cap goes through MPI instead (every rank decides the same,
 since all ranks see the same sequence of collective sizes). Each segment starts with a
-64-byte header (element count, dtype, op) that every rank checks against its peers' after
-the first sync: ranks that disagree raise CollectiveMismatchError, every one of them,
-instead of reading past a segment.
+64-byte header (element count, dtype, op, call number) that every rank checks against its
+peers' after the first sync: ranks that disagree raise CollectiveMismatchError, every one
+of them, instead of reading past a segment.
 
 Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when
 the group spans several nodes (``Split_type(COMM_TYPE_SHARED)`` is smaller than the
@@ -66,8 +72,7 @@ _UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply
           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 _OP_CODE = {op: i for i, op in enumerate(ReduceOp)}
 _DTYPE_NAME = {d.num: d.name for d in SHM_DTYPES}
-# elements folded per ufunc call when n > 2: the partial result stays in L2 (measured
-# float32, 2 ranks: 64 KiB..1 MiB chunks within 5%, 16 KiB 20% slower from call overhead)
+# bytes folded per ufunc call: the partial result stays in L2 while it is written out
 _CHUNK_BYTES = 1 << 18
 
 
@@ -124,6 +129,9 @@ class ShmAllReduce:
         self.cap_bytes = int(cap_bytes)
         self._sync_barrier = sync
         self._windows: dict[int, _Window] = {}
+        # shm all-reduces so far, in every segment header: a rank whose call landed in
+        # another window (a different size) leaves a stale header here, which this exposes
+        self._calls = 0
 
     @classmethod
     def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, sync: Any) -> ShmAllReduce | None:
@@ -131,9 +139,6 @@ class ShmAllReduce:
 
         Collective over ``comm``. The node communicator keeps ``comm``'s rank order.
         """
-        if cap_bytes < MIN_CLASS:
-            raise ConfigError(f"cap_bytes={cap_bytes} is below the smallest shared window "
-                              f"({MIN_CLASS} bytes per rank); pass at least {MIN_CLASS}")
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         if node.Get_size() != comm.Get_size():
             node.Free()
@@ -188,77 +193,90 @@ class ShmAllReduce:
             return False
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
-        mine = w.data[r]
-        zero_copy = _address(flat) == _address(mine)
-        # a buffer inside the window but not at its start: copy in as usual, but copy out
-        # to a private array, since writing our segment in phase 3 would clobber the slice
-        # a peer is still reading
-        inside = not zero_copy and np.shares_memory(flat, w.data[r])
-        if not zero_copy:
-            mine[:flat.nbytes].view(dt)[...] = flat
-        w.headers[r][:3] = (count, dt.num, _OP_CODE[op])
-        self._sync(w, seq)
-        self._check_headers(w, seq)
-        segs = [d[:flat.nbytes].view(dt) for d in w.data]
         base, extra = divmod(count, n)
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
-        self._reduce(segs, lo, hi, op)
+        mine = w.data[r][:flat.nbytes].view(dt)
+        zero_copy = _address(flat) == _address(mine)
+        # A buffer inside the window but not at its start is copied in whole and its result
+        # copied out to a private array first: writing our segment in the copy-out phase
+        # would clobber the slice a peer is still reading.
+        inside = not zero_copy and np.may_share_memory(flat, w.data[r])
+        if zero_copy or inside:
+            if inside:
+                mine[...] = flat
+            src = mine
+        else:  # our own slice is read from the caller's buffer: no need to copy it in
+            mine[:lo] = flat[:lo]
+            mine[hi:] = flat[hi:]
+            src = flat
+        self._calls += 1
+        w.headers[r][:4] = (count, dt.num, _OP_CODE[op], self._calls)
+        self._sync(w, seq)
+        self._check_headers(w, seq)
+        segs = [d[:flat.nbytes].view(dt) for d in w.data]
+        self._reduce([src if k == r else s for k, s in enumerate(segs)], lo, hi, op, mine,
+                     None if src is mine else flat)
         self._sync(w, seq)
         out = np.empty_like(flat) if inside else flat
-        if not zero_copy:
-            for k in range(n):
+        for k in range(n):
+            if k != r or inside:
                 out[bounds[k]:bounds[k + 1]] = segs[k][bounds[k]:bounds[k + 1]]
-        else:
-            for k in range(n):
-                if k != r:
-                    out[bounds[k]:bounds[k + 1]] = segs[k][bounds[k]:bounds[k + 1]]
         self._sync(w, seq)
         if inside:
             flat[...] = out
         return True
 
     def _check_headers(self, w: _Window, seq: int) -> None:
-        mine = w.headers[self.rank][:3]
-        if all((h[:3] == mine).all() for h in w.headers):
+        mine = w.headers[self.rank][:4]
+        if all((h[:4] == mine).all() for h in w.headers):
             return
-        names = ("count", "dtype", "op")
+        names = ("count", "dtype", "op", "call number (a rank is in another size class)")
         rows = []
         for k, h in enumerate(w.headers):
-            c, d, o = (int(x) for x in h[:3])
+            c, d, o, call = (int(x) for x in h[:4])
             op = list(ReduceOp)[o].value if 0 <= o < len(ReduceOp) else "?"
             rows.append(f"rank {k}: count={c} dtype={_DTYPE_NAME.get(d, d)}"
-                        f" op={op}")
-        differ = [names[i] for i in range(3) if len({int(h[i]) for h in w.headers}) > 1]
+                        f" op={op} call={call}")
+        differ = [names[i] for i in range(4) if len({int(h[i]) for h in w.headers}) > 1]
         raise CollectiveMismatchError(
             f"all_reduce #{seq} (shared memory) on rank {self.rank}: the ranks disagree on "
             f"{', '.join(differ)} ({'; '.join(rows)}); every rank must all_reduce the same "
             f"number of elements of the same dtype with the same op")
 
-    def _reduce(self, segs: list[np.ndarray], lo: int, hi: int, op: ReduceOp) -> None:
-        """Fold slice ``[lo, hi)`` of every segment in rank order into this rank's segment."""
+    def _reduce(self, srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp,
+                dest: np.ndarray, also: np.ndarray | None) -> None:
+        """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)``.
+
+        The result goes to ``dest`` (this rank's segment, where peers read it) and to
+        ``also`` (the caller's buffer) when given. Chunks keep the partial result in cache,
+        so writing it twice costs one extra pass over cache, not over memory.
+        """
         if hi <= lo:
             return
-        ufunc, n = _UFUNC[op], len(segs)
-        dest = segs[self.rank]
-        if n == 2:  # one pass, streaming: dest is read at the same index it is written
-            ufunc(segs[0][lo:hi], segs[1][lo:hi], out=dest[lo:hi])
-        else:
-            step = max(1, _CHUNK_BYTES // dest.itemsize)
-            tmp = np.empty(min(step, hi - lo), dest.dtype)
-            for a in range(lo, hi, step):
-                b = min(hi, a + step)
-                t = tmp[:b - a]
-                ufunc(segs[0][a:b], segs[1][a:b], out=t)
-                for k in range(2, n - 1):
-                    ufunc(t, segs[k][a:b], out=t)
-                ufunc(t, segs[n - 1][a:b], out=dest[a:b])
-        if op is ReduceOp.AVG:
-            part = dest[lo:hi]
-            if part.dtype.kind == "f":
-                np.divide(part, n, out=part)
-            else:
-                np.floor_divide(part, n, out=part)
+        ufunc, n = _UFUNC[op], len(srcs)
+        avg = op is ReduceOp.AVG
+        step = max(1, _CHUNK_BYTES // dest.itemsize)
+        tmp = np.empty(min(step, hi - lo), dest.dtype)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            # with one destination the last fold writes it directly (it may be an input at
+            # the same index: elementwise, so safe); with two, a cached chunk is copied twice
+            t = tmp[:b - a] if also is not None or n > 2 else dest[a:b]
+            ufunc(srcs[0][a:b], srcs[1][a:b], out=t)
+            for k in range(2, n):
+                last = k == n - 1 and also is None
+                ufunc(t, srcs[k][a:b], out=dest[a:b] if last else t)
+                if last:
+                    t = dest[a:b]
+            if avg:
+                if t.dtype.kind == "f":
+                    np.divide(t, n, out=t)
+                else:
+                    np.floor_divide(t, n, out=t)
+            if also is not None:
+                dest[a:b] = t
+                also[a:b] = t
 
     def free(self) -> None:
         """Free every window and the node communicator (collective over the group)."""

@@ -10,6 +10,10 @@ reduce ops map onto MPI as :mod:`fuelspmd_mpi._work` describes.
 
 Each transport numbers the operations it starts (``seq``, from 0, collectives and
 point-to-point alike) so that a timeout names which one of the group's operations hung.
+The one exception to non-blocking: an all_reduce switched onto the shared-memory path
+(:meth:`MPITransport.set_all_reduce_policy`, :mod:`fuelspmd_mpi._shm`) runs to completion
+inside the call, its three barriers polled under the same deadline.
+
 Collectives on empty buffers complete at once without calling MPI (every rank of the
 group has the same, empty, sizes); sends and receives of 0 elements still go through MPI
 so that they match their peer's.
@@ -25,7 +29,7 @@ import numpy as np
 
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, DeviceError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
-from fuelspmd_mpi._shm import SHM_DTYPES, ShmAllReduce
+from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce
 from fuelspmd_mpi._work import MPIWork, Types, divide
 
 __all__ = ["MPITransport"]
@@ -138,7 +142,11 @@ class MPITransport:
     # -- collectives ---------------------------------------------------------------------
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
-        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``)."""
+        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
+
+        Sizes that :meth:`set_all_reduce_policy` put on the shared-memory path go through
+        it instead and are complete when this returns (the Work is already done).
+        """
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
         # The hot path (measured: issue + wait cost ~1.5-2.5 us of Python over the MPI
@@ -188,6 +196,10 @@ class MPITransport:
         if algorithm not in _ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
                               f"{list(_ALGORITHMS)}, got {algorithm!r}")
+        if int(cap_bytes) < MIN_CLASS:
+            raise ConfigError(f"set_all_reduce_policy: cap_bytes={cap_bytes} is below the "
+                              f"smallest shared window ({MIN_CLASS} bytes per rank); pass at "
+                              f"least {MIN_CLASS}")
         top = 2**62 if max_bytes is None else int(max_bytes)
         if not 0 <= int(min_bytes) <= top:
             raise ConfigError(f"set_all_reduce_policy: need 0 <= min_bytes <= max_bytes, got "
@@ -226,6 +238,11 @@ class MPITransport:
         if self._shm is None:
             return np.empty(int(nbytes), np.uint8)
         return self._shm.shared_buffer(int(nbytes))
+
+    @property
+    def shared_window_bytes(self) -> int:
+        """Bytes of shared window this rank holds for the shm all-reduce (0 when it is off)."""
+        return 0 if self._shm is None else self._shm.allocated_bytes
 
     def _shm_sync(self, node: Any, seq: int) -> None:
         MPIWork(node.Ibarrier(), self, "all_reduce (shared memory)", seq).wait()

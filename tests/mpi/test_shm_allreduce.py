@@ -1,0 +1,249 @@
+"""The shared-memory all-reduce of the MPI transport, at any world size.
+
+Run on every rank: ``mpiexec -n N python -m pytest --with-mpi -q
+tests/mpi/test_shm_allreduce.py`` (plain ``pytest`` skips these). Every rank rebuilds every
+rank's input from a seed, so the expected result is computed locally: the shm path folds
+in rank order, so its result must equal numpy's left fold ``((x_0 op x_1) op x_2) ...``
+bitwise, floats included; MPI's own Allreduce on the same inputs must agree with it
+bitwise for integers and to rounding for floats. With one rank the policy reports "mpi"
+and the same checks hold through the size-1 path.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fuelspmd.errors import CollectiveMismatchError, ConfigError
+from fuelspmd.transport import ReduceOp
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+DTYPES = ["float32", "float64", "int32", "int64"]
+OPS = [op.value for op in ReduceOp]
+TIMEOUT = 20.0
+MIN_CLASS = 1 << 16
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[Any]:
+    from fuelspmd_mpi import plugin
+
+    t = plugin.world(timeout=TIMEOUT)
+    chosen = t.set_all_reduce_policy(algorithm="shm")
+    assert chosen == ("shm" if t.size > 1 else "mpi")
+    yield t
+    t.finalize()
+    assert t.shared_window_bytes == 0
+
+
+def data(name: str, rank: int, count: int, dt: str) -> np.ndarray:
+    """Rank ``rank``'s input: normal floats (so the fold order shows), small integers."""
+    rng = np.random.default_rng([zlib.crc32(name.encode()), rank, count])
+    if dt.startswith("int"):
+        return rng.integers(-3, 4, count).astype(dt)
+    return rng.standard_normal(count).astype(dt)
+
+
+def fold(name: str, size: int, count: int, dt: str, op: str) -> np.ndarray:
+    """The shm path's definition: a left fold in rank order in ``dt``; avg divides after."""
+    f = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+         "max": np.maximum}[op]
+    acc = data(name, 0, count, dt)
+    for r in range(1, size):
+        f(acc, data(name, r, count, dt), out=acc)
+    if op == "avg":
+        if dt.startswith("int"):
+            np.floor_divide(acc, size, out=acc)
+        else:
+            np.divide(acc, size, out=acc)
+    return acc
+
+
+def mpi_result(t: Any, x: np.ndarray, op: str) -> np.ndarray:
+    """MPICH's own Allreduce of ``x`` (avg: sum, then the transport's division)."""
+    from mpi4py import MPI
+
+    out = x.copy()
+    mop = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+    t.comm.Allreduce(MPI.IN_PLACE, out, mop[op])
+    if op == "avg":
+        if out.dtype.kind == "i":
+            np.floor_divide(out, t.size, out=out)
+        else:
+            np.divide(out, t.size, out=out)
+    return out
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_and_dtype_matches_the_fold_and_mpi(world: Any, op: str, dt: str) -> None:
+    for count in (1, world.size + 1, 1001, 40_003):  # odd, not divisible by the size
+        name = f"ops-{op}-{dt}"
+        x = data(name, world.rank, count, dt)
+        want = fold(name, world.size, count, dt, op)
+        theirs = mpi_result(world, x, op)
+        world.all_reduce(x, op).wait()
+        np.testing.assert_array_equal(x, want)
+        if dt.startswith("int"):
+            np.testing.assert_array_equal(theirs, want)
+        else:
+            tol = 1e-5 if dt == "float32" else 1e-12
+            np.testing.assert_allclose(theirs, want, rtol=tol, atol=tol)
+    if world.size > 1:
+        assert world.shared_window_bytes >= MIN_CLASS  # it went through a window
+
+
+def test_two_dimensional_buffer_and_empty(world: Any) -> None:
+    x = data("2d", world.rank, 3 * 37, "float64").reshape(3, 37)
+    world.all_reduce(x, "sum").wait()
+    np.testing.assert_array_equal(x, fold("2d", world.size, 3 * 37, "float64", "sum")
+                                  .reshape(3, 37))
+    empty = np.empty((0, 4), np.float32)
+    world.all_reduce(empty, "sum").wait()
+    assert empty.shape == (0, 4)
+
+
+def test_repeated_calls_reuse_the_window(world: Any) -> None:
+    count = 70_001  # float32: 280 KiB, class 512 KiB
+    x = data("reuse", world.rank, count, "float32")
+    world.all_reduce(x, "max").wait()
+    held = world.shared_window_bytes
+    for i in range(5):
+        y = data(f"reuse{i}", world.rank, count - i, "float32")
+        world.all_reduce(y, "sum").wait()
+        np.testing.assert_array_equal(y, fold(f"reuse{i}", world.size, count - i, "float32",
+                                              "sum"))
+    assert world.shared_window_bytes == held
+
+
+def test_buffer_already_in_the_window(world: Any) -> None:
+    count = 5003
+    raw = world.shared_buffer(count * 8)
+    assert raw.dtype == np.uint8 and raw.nbytes == count * 8
+    b = raw.view(np.float64)
+    b[...] = data("zc", world.rank, count, "float64")
+    world.all_reduce(b, "sum").wait()
+    np.testing.assert_array_equal(b, fold("zc", world.size, count, "float64", "sum"))
+    # inside the window but not at its start: copied in and out, still right
+    inner = raw.view(np.float64)[1:]
+    inner[...] = data("zc-inner", world.rank, count - 1, "float64")
+    world.all_reduce(inner, "min").wait()
+    np.testing.assert_array_equal(inner, fold("zc-inner", world.size, count - 1, "float64",
+                                              "min"))
+
+
+def test_dtypes_it_leaves_to_mpi(world: Any) -> None:
+    x = np.full(999, world.rank % 2 == 0)
+    world.all_reduce(x, "sum").wait()  # logical or
+    assert x.all()
+    h = np.full(999, 1.0, np.float16)
+    world.all_reduce(h, "sum").wait()
+    np.testing.assert_array_equal(h, np.full(999, world.size, np.float16))
+
+
+def test_policy_range_and_switching_off(world: Any) -> None:
+    from fuelspmd_mpi import plugin
+
+    t = plugin.world(timeout=TIMEOUT)  # a transport of its own: the policy starts off
+    try:
+        assert t.shared_window_bytes == 0
+        t.set_all_reduce_policy(algorithm="shm", min_bytes=1 << 20, max_bytes=4 << 20)
+        small = data("small", t.rank, 1000, "int64")
+        t.all_reduce(small, "sum").wait()
+        np.testing.assert_array_equal(small, fold("small", t.size, 1000, "int64", "sum"))
+        assert t.shared_window_bytes == 0  # below min_bytes: MPI
+        big = data("big", t.rank, 1 << 18, "int64")  # 2 MiB
+        t.all_reduce(big, "sum").wait()
+        np.testing.assert_array_equal(big, fold("big", t.size, 1 << 18, "int64", "sum"))
+        assert t.shared_window_bytes == (2 << 20 if t.size > 1 else 0)
+        huge = data("huge", t.rank, 1 << 20, "int32")  # 4 MiB + 0: still in range
+        t.all_reduce(huge, "prod").wait()
+        np.testing.assert_array_equal(huge, fold("huge", t.size, 1 << 20, "int32", "prod"))
+        assert t.set_all_reduce_policy(algorithm="mpi") == "mpi"
+        assert t.shared_window_bytes == 0
+        plain = t.shared_buffer(100)
+        assert plain.nbytes == 100  # without shm, an ordinary array
+        big = data("big2", t.rank, 1 << 18, "int64")
+        t.all_reduce(big, "sum").wait()
+        np.testing.assert_array_equal(big, fold("big2", t.size, 1 << 18, "int64", "sum"))
+    finally:
+        t.finalize()
+
+
+def test_cap_bounds_the_windows(world: Any) -> None:
+    from fuelspmd_mpi import plugin
+
+    t = plugin.world(timeout=TIMEOUT)
+    try:
+        with pytest.raises(ConfigError, match="cap_bytes"):
+            t.set_all_reduce_policy(algorithm="shm", cap_bytes=1000)
+        if t.set_all_reduce_policy(algorithm="shm", cap_bytes=2 * MIN_CLASS) == "mpi":
+            return
+        x = data("cap", t.rank, 1 << 18, "float32")  # 1 MiB: beyond the cap, MPI takes it
+        want = fold("cap", t.size, 1 << 18, "float32", "sum")
+        t.all_reduce(x, "sum").wait()
+        np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+        assert t.shared_window_bytes == 0
+        with pytest.raises(ConfigError, match="above cap_bytes"):
+            t.shared_buffer(1 << 20)
+    finally:
+        t.finalize()
+
+
+def test_bad_policy_arguments(world: Any) -> None:
+    with pytest.raises(ConfigError, match="algorithm must be one of"):
+        world.set_all_reduce_policy(algorithm="ring")
+    with pytest.raises(ConfigError, match="min_bytes <= max_bytes"):
+        world.set_all_reduce_policy(algorithm="shm", min_bytes=10, max_bytes=5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_raise_on_every_rank(world: Any) -> None:
+    with pytest.raises(CollectiveMismatchError, match="different policies"):
+        world.set_all_reduce_policy(algorithm="shm", min_bytes=world.rank)
+    # the same size class, different counts: caught by the segment headers, not a hang
+    x = np.ones(1000 + world.rank, np.float32)
+    with pytest.raises(CollectiveMismatchError, match="count"):
+        world.all_reduce(x, "sum").wait()
+    # different size classes: each rank finds the other's stale header in its window
+    world.all_reduce(np.ones(1000, np.float32), "sum").wait()
+    world.all_reduce(np.ones(100_000, np.float32), "sum").wait()
+    z = np.ones(1000 if world.rank == 0 else 100_000, np.float32)
+    with pytest.raises(CollectiveMismatchError, match="call number"):
+        world.all_reduce(z, "sum").wait()
+    y = data("after", world.rank, 1000, "float32")  # the path still works afterwards
+    world.all_reduce(y, "sum").wait()
+    np.testing.assert_array_equal(y, fold("after", world.size, 1000, "float32", "sum"))
+
+
+def test_bench_correctness_check(world: Any) -> None:
+    if world.size == 1:
+        pytest.skip("the shm bench needs 2+ ranks")
+    from fuelspmd.bench.shm import run
+
+    rows = run(world, sizes=[4096, 65_540], rounds=2)
+    assert [r["bytes"] for r in rows] == [4096, 65_540]
+    assert all(r["correct"] for r in rows)
+    assert all(r["mpi_ms"] > 0 and r["speedup_shm"] > 0 for r in rows)
+
+
+def test_split_groups_start_off_and_reduce_their_own_ranks(world: Any) -> None:
+    color = world.rank % 2
+    sub = world.split(color, world.rank)
+    try:
+        assert sub.shared_window_bytes == 0
+        assert sub.set_all_reduce_policy(algorithm="shm") == ("shm" if sub.size > 1 else "mpi")
+        members = [r for r in range(world.size) if r % 2 == color]
+        x = data(f"split-{world.rank}", 0, 3001, "float64")
+        want = data(f"split-{members[0]}", 0, 3001, "float64")
+        for r in members[1:]:
+            np.add(want, data(f"split-{r}", 0, 3001, "float64"), out=want)
+        sub.all_reduce(x, "sum").wait()
+        np.testing.assert_array_equal(x, want)
+    finally:
+        sub.finalize()

@@ -8,6 +8,7 @@ with a deadline, and kills the group if it outlives it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,11 +44,13 @@ def run_job(n: int, code: str, *, deadline: float = 60.0) -> tuple[int, str, str
 
 @pytest.mark.timeout(90)
 def test_three_ranks_see_one_world() -> None:
-    rc, out, err, _ = run_job(3, "import fuelspmd as fs; w = fs.init(); "
-                                 "print(w.rank, w.size, w.local_rank, w.local_size, w.launcher)")
+    # one os.write per rank: a line is never split between ranks' output
+    rc, out, err, _ = run_job(3, "import os, fuelspmd as fs; w = fs.init(); os.write(1, "
+                                 "f'RANK {w.rank} {w.size} {w.local_rank} {w.local_size} "
+                                 "{w.launcher}\\n'.encode())")
     assert rc == 0, err
-    rows = sorted(tuple(line.split()) for line in out.strip().splitlines())
-    assert rows == [(str(r), "3", str(r), "3", "mpiexec") for r in range(3)]
+    rows = sorted(re.findall(r"RANK (\d+) (\d+) (\d+) (\d+) (\w+)", out))
+    assert rows == [(str(r), "3", str(r), "3", "mpiexec") for r in range(3)], out
 
 
 CRASH = """

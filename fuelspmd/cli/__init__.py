@@ -1,4 +1,4 @@
-"""The ``fuelspmd`` command (layer 8): ``info``, ``bench <what>``, ``schedule``, ``plan``.
+"""The ``fuelspmd`` command (layer 8): info, bench <what>, schedule, plan, trace.
 
 Each subcommand lives in a module with ``main(argv) -> int``; this one only dispatches,
 so ``fuelspmd --help`` stays fast and a subcommand imports only what it needs.
@@ -20,6 +20,7 @@ _COMMANDS = {
     "bench": ("", "run a benchmark: fuelspmd bench <what> [--json] (see fuelspmd bench --help)"),
     "schedule": ("fuelspmd.cli.schedule", "draw a pipeline schedule (grid, bubble, --png)"),
     "plan": ("fuelspmd.cli.plan", "rank tp x pp x dp layouts of a transformer on a cluster"),
+    "trace": ("fuelspmd.cli.trace", "line up flight-recorder dumps and name the first difference"),
 }
 
 

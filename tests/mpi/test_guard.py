@@ -1,0 +1,255 @@
+"""The collective guard on the real MPI transport, at any world size.
+
+``mpiexec -n N python -m pytest --with-mpi -q tests/mpi/test_guard.py`` (N = 1..4). Each
+test builds a fresh GuardedTransport on a fresh split of the world, so a test that leaves
+control messages unread (a mismatch stops the exchange half-way) cannot leak them into the
+next. A fault is injected after hundreds of good guarded operations; then every rank's
+outcome (error type, seconds to raise, message) is all-gathered over the world, and every
+rank asserts on all of them, so a rank that did not raise fails the test everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fuelspmd.cli.trace import main as trace_main
+from fuelspmd.comm import Fingerprint, GuardedTransport, Recorder
+from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError
+from fuelspmd.transport import DONE
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+TIMEOUT = 20.0       # data waits
+GUARD_TIMEOUT = 8.0  # longer than the 5 s a mismatch may take: a mismatch is not a timeout
+GOOD = 120
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[Any]:
+    from fuelspmd_mpi import plugin
+
+    t = plugin.world(timeout=TIMEOUT)
+    yield t
+    t.barrier().wait()
+
+
+@pytest.fixture
+def gt(world: Any) -> Iterator[GuardedTransport]:
+    g = GuardedTransport(world.split(0, world.rank), timeout=GUARD_TIMEOUT,
+                         recorder=Recorder())
+    yield g
+    g.close()
+
+
+def good_ops(g: GuardedTransport, n: int) -> None:
+    """Run ``n`` guarded collectives (and pairwise swaps) and check them against numpy."""
+    r, size = g.rank, g.size
+    peer = r ^ 1
+    for i in range(n):
+        k = i % 4
+        if k == 0:
+            b = np.full(3 + i % 5, r + i, np.float32)
+            g.all_reduce(b, "sum").wait()
+            assert b[0] == sum(range(size)) + size * i
+        elif k == 1:
+            s = np.full(2, r * 10 + i, np.int64)
+            out = np.empty(2 * size, np.int64)
+            g.all_gather(s, out).wait()
+            np.testing.assert_array_equal(out[::2], np.arange(size) * 10 + i)
+        elif k == 2:
+            b = np.full(4, float(r == i % size) * i, np.float64)
+            g.broadcast(b, i % size).wait()
+            assert b[0] == i
+        else:
+            if peer < size:  # a swap written the same on both ranks: send, then recv
+                s = np.arange(3.0) + r + i
+                q = np.empty(3)
+                ws, wr = g.send(s, peer, i % 7), g.recv(q, peer, i % 7)
+                wr.wait()
+                ws.wait()
+                np.testing.assert_array_equal(q, np.arange(3.0) + peer + i)
+            g.barrier().wait()
+
+
+def outcome(world: Any, action: Callable[[], None]) -> list[tuple[str, float, str]]:
+    """Run ``action`` on this rank; return every rank's (error type, seconds, message).
+
+    Starts at a world barrier outside the guard: a rank still settling its last good
+    operation would otherwise (rightly) raise there, on the abort of a faster rank that
+    had already reached the fault.
+    """
+    world.comm.Barrier()
+    t0 = time.monotonic()
+    try:
+        action()
+        mine = ("none", time.monotonic() - t0, "")
+    except (CollectiveMismatchError, CommTimeoutError) as e:
+        mine = (type(e).__name__, time.monotonic() - t0, str(e))
+    return world.comm.allgather(mine)
+
+
+def assert_all_raised(every: list[tuple[str, float, str]], *names: str) -> None:
+    for rank, (kind, took, text) in enumerate(every):
+        assert kind == "CollectiveMismatchError", f"rank {rank}: {kind} {text}"
+        assert took < 5.0, f"rank {rank} took {took:.2f} s to raise"
+        for name in names:
+            assert name in text, f"rank {rank}: {name!r} not in: {text}"
+
+
+def test_good_ops_match_numpy(gt: GuardedTransport) -> None:
+    good_ops(gt, 600)
+    assert gt.cseq == 600
+    assert gt.seq == 600 + (300 if gt.rank ^ 1 < gt.size else 0)
+    recs = gt.guard.recorder.records()  # type: ignore[union-attr]
+    assert len(recs) == min(gt.seq, 1024) and all(r.state == "completed" for r in recs)
+
+
+def _need2(world: Any) -> None:
+    if world.size < 2:
+        pytest.skip("a mismatch needs two ranks")
+
+
+def _collective(g: GuardedTransport, bad: bool, field: str) -> None:
+    if field == "op" and bad:
+        out = np.empty(8 * g.size, np.float32)
+        g.all_gather(np.zeros(8, np.float32), out).wait()
+    elif field == "root":
+        g.broadcast(np.zeros(8, np.float32), 1 if bad else 0).wait()
+    elif field in ("group", "seq") and bad:
+        fp = Fingerprint(g.seq, "all_reduce", (8,), "float32", "sum", group=g.guard.group,
+                         cseq=g.cseq)
+        if field == "group":
+            fp.group += 1
+        else:  # this rank created a collective it never issued: its counters moved on
+            fp.seq += 1
+            fp.cseq = (fp.cseq or 0) + 1
+        g.guard.wait(g.guard.check(fp), DONE)
+    else:
+        shape = (9,) if bad and field == "shape" else (8,)
+        dt = np.float64 if bad and field == "dtype" else np.float32
+        g.all_reduce(np.zeros(shape, dt), "max" if bad and field == "reduce_op" else "sum").wait()
+
+
+@pytest.mark.parametrize("field", ["op", "shape", "dtype", "reduce_op", "root", "group", "seq"])
+def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
+                                               field: str) -> None:
+    _need2(world)
+    good_ops(gt, GOOD if field != "op" else 520)
+    bad = world.size - 1
+    every = outcome(world, lambda: _collective(gt, gt.rank == bad, field))
+    assert_all_raised(every, field, f"rank {bad}")
+    for _, _, text in every:  # both ranks of a disagreeing pair are named
+        assert any(f"rank {r}" in text for r in range(world.size) if r != bad), text
+
+
+def _p2p(g: GuardedTransport, case: str) -> None:
+    """Pair (0, 1) exchanges one message with the fault injected; then all meet twice."""
+    r = g.rank
+    x = np.arange(4.0)
+    if r == 0 and case != "skip_send":
+        g.send(x, 1, 5).wait()
+    elif r == 1 and case != "skip_recv":
+        if case == "both_send":
+            g.send(x, 0, 5).wait()
+        else:
+            peer = 2 if case == "peer" else 0
+            tag = 6 if case == "tag" else 5
+            shape = (5,) if case == "shape" else (4,)
+            g.recv(np.empty(shape), peer, tag).wait()
+    elif r == 2 and case == "peer":  # the rank 1 wrongly waits on; it talks to rank 3
+        if g.size > 3:
+            g.send(x, 3, 5).wait()
+    elif r == 3 and case == "peer":
+        g.recv(np.empty(4), 2, 5).wait()
+    # a rank outside the faulty pair may get through this barrier (its own descriptors all
+    # agree) and raises at its next guarded operation, on the pair's abort
+    g.barrier().wait()
+    g.barrier().wait()
+
+
+@pytest.mark.parametrize("case", ["tag", "shape", "both_send", "peer", "skip_send",
+                                  "skip_recv"])
+def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: str) -> None:
+    _need2(world)
+    if case == "peer" and world.size < 3:
+        pytest.skip("a wrong peer needs a third rank")
+    good_ops(gt, 100)
+    every = outcome(world, lambda: _p2p(gt, case))
+    names = {"tag": ("tag", "rank 0", "rank 1"), "shape": ("shape", "rank 0", "rank 1"),
+             "both_send": ("op", "send"), "peer": ("rank 1", "rank 2", "src=2"),
+             "skip_send": ("rank 0", "rank 1", "recv"),
+             "skip_recv": ("rank 0", "rank 1", "send")}[case]
+    assert_all_raised(every, *names)
+
+
+def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: Any) -> None:
+    """A rank that skips a collective and stays away: the others time out naming it."""
+    _need2(world)
+    bad = 2 if world.size > 2 else 1
+    where = world.comm.bcast(str(tmp_path_factory.mktemp("trace")) if world.rank == 0
+                             else None, root=0)
+    g = GuardedTransport(world.split(0, world.rank), timeout=1.5, recorder=Recorder(),
+                         trace_dir=where)
+    try:
+        good_ops(g, 60)
+        skipped = g.cseq
+
+        def step() -> None:
+            if g.rank == bad:
+                time.sleep(2.5)  # stuck in compute past the others' deadline
+                g.guard.dump(reason="rank skipped a collective")
+            else:
+                g.all_reduce(np.ones(8, np.float32), "sum").wait()
+
+        every = outcome(world, step)
+    finally:
+        g.close()
+    for rank, (kind, took, text) in enumerate(every):
+        if rank == bad:
+            assert kind == "none"
+        else:
+            assert kind == "CommTimeoutError", text
+            assert 1.4 < took < 5.0 and f"[{bad}]" in text, (took, text)
+    if world.rank == 0:
+        assert sorted(p.name for p in Path(where).glob("rank*.json")) == sorted(
+            f"rank{r}.json" for r in range(world.size))
+        import contextlib
+        import io
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = trace_main([where])
+        out = buf.getvalue()
+        assert code == 1, out
+        assert f"FIRST DIFFERENCE at collective #{skipped}" in out, out
+        assert f"rank {bad} never issued collective #{skipped}" in out, out
+    world.comm.barrier()
+
+
+def test_debug_mode_checks_first_and_compares_results(world: Any) -> None:
+    """debug: a mismatched collective is refused before it is issued; results are CRC'd."""
+    _need2(world)
+    g = GuardedTransport(world.split(0, world.rank), mode="debug", timeout=GUARD_TIMEOUT,
+                         recorder=Recorder())
+    try:
+        good_ops(g, 60)  # every all_reduce, all_gather and broadcast result compared
+        t = g.guard.check(Fingerprint(g.seq, "all_reduce", (4,), "float32", "sum",
+                                      group=g.guard.group, cseq=g.cseq))
+        g.seq, g.cseq = g.seq + 1, g.cseq + 1
+        every = outcome(world, lambda: g.guard.verify(t, np.full(4, g.rank, np.float32)))
+        assert_all_raised(every, "debug check", "rank 0")
+    finally:
+        g.close()
+    g = GuardedTransport(world.split(0, world.rank), mode="debug", timeout=GUARD_TIMEOUT)
+    try:
+        good_ops(g, 20)
+        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "dtype"))
+        assert_all_raised(every, "dtype", f"rank {world.size - 1}")
+    finally:
+        g.close()

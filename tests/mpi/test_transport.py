@@ -314,3 +314,22 @@ def test_collective_with_a_missing_rank_times_out(world: Transport) -> None:
         sub.barrier().wait()
     finally:
         sub.finalize()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_temporary_buffers_live_until_the_work_completes(world: Transport) -> None:
+    """A Work keeps its buffers: MPI must never write into memory the caller let go of."""
+    import gc
+
+    n = world.size
+    count = 512 * 1024  # 2 MiB of float32: large enough for MPI's rendezvous path
+    works = []
+    for _ in range(4):
+        works.append(world.all_reduce(np.ones(count, np.float32), ReduceOp.SUM))
+        works.append(world.all_gather(np.ones(count // 8, np.float32),
+                                      np.empty(count // 8 * n, np.float32)))
+        gc.collect()
+        _ = [np.random.rand(4096) for _ in range(64)]  # reuse freed memory if any was freed
+    for w in works:
+        w.wait(30)

@@ -171,12 +171,13 @@ class MPITransport:
         if plan.stage is None:
             req = self._comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
             if not plan.avg:
-                return MPIWork(req, self, "all_reduce", seq)
+                return MPIWork(req, self, "all_reduce", seq, keep=buf)
             size = self.size
-            return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size))
+            return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size), buf)
         stage = buf.astype(plan.stage)
         req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg))
+        return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg),
+                       (stage, buf))
 
     def set_all_reduce_policy(self, *, algorithm: str, min_bytes: int = 0,
                               max_bytes: int | None = None,
@@ -280,12 +281,13 @@ class MPITransport:
                                                    plan.mpi_op)
             size = self.size
             finish = (lambda: divide(recv, size)) if plan.avg else None
-            return MPIWork(req, self, "reduce_scatter", seq, finish)
+            return MPIWork(req, self, "reduce_scatter", seq, finish, (send, recv))
         stage_send = send.astype(plan.stage)
         stage = np.empty(recv.size, plan.stage)
         req = self._comm.Ireduce_scatter_block([stage_send, plan.datatype],
                                                [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "reduce_scatter", seq, self._unstage(stage, recv, plan.avg))
+        return MPIWork(req, self, "reduce_scatter", seq, self._unstage(stage, recv, plan.avg),
+                       (stage_send, stage, recv))
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
@@ -299,7 +301,7 @@ class MPITransport:
         t = self._types
         dt = t.move[send.dtype]
         req = self._comm.Iallgather([t.view(send), dt], [t.view(recv), dt])
-        return MPIWork(req, self, "all_gather", seq)
+        return MPIWork(req, self, "all_gather", seq, keep=(send, recv))
 
     def broadcast(self, buf: Any, root: int) -> Work:
         """Copy ``root``'s ``buf`` into every rank's ``buf``."""
@@ -312,7 +314,7 @@ class MPITransport:
             return DONE
         t = self._types
         req = self._comm.Ibcast([t.view(buf), t.move[buf.dtype]], root=int(root))
-        return MPIWork(req, self, f"broadcast(root={root})", seq)
+        return MPIWork(req, self, f"broadcast(root={root})", seq, keep=buf)
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         """Send block ``r`` of ``send`` to rank ``r``; block ``r`` of ``recv`` comes from r."""
@@ -326,7 +328,7 @@ class MPITransport:
         t = self._types
         dt = t.move[send.dtype]
         req = self._comm.Ialltoall([t.view(send), dt], [t.view(recv), dt])
-        return MPIWork(req, self, "all_to_all", seq)
+        return MPIWork(req, self, "all_to_all", seq, keep=(send, recv))
 
     def barrier(self) -> Work:
         """Complete once every rank of the group has entered the barrier."""
@@ -351,14 +353,14 @@ class MPITransport:
         self._check_p2p("send", buf, peer, tag)
         t = self._types
         req = self._comm.Isend([t.view(buf), t.move[buf.dtype]], dest=int(peer), tag=int(tag))
-        return MPIWork(req, self, ("send", int(peer), int(tag)), self._next())
+        return MPIWork(req, self, ("send", int(peer), int(tag)), self._next(), keep=buf)
 
     def recv(self, buf: Any, peer: int, tag: int) -> Work:
         """Receive into ``buf`` from ``peer`` with ``tag``; the sender's size must match."""
         self._check_p2p("recv", buf, peer, tag)
         t = self._types
         req = self._comm.Irecv([t.view(buf), t.move[buf.dtype]], source=int(peer), tag=int(tag))
-        return MPIWork(req, self, ("recv", int(peer), int(tag)), self._next())
+        return MPIWork(req, self, ("recv", int(peer), int(tag)), self._next(), keep=buf)
 
     # -- groups and teardown -------------------------------------------------------------
 

@@ -127,17 +127,21 @@ class MPIWork:
     can be withdrawn with :meth:`cancel`.
     """
 
-    __slots__ = ("_finish", "_op", "_owner", "_req", "_seq")
+    __slots__ = ("_finish", "_keep", "_op", "_owner", "_req", "_seq")
 
     def __init__(self, req: Any, owner: Any, op: str | tuple[str, int, int], seq: int,
-                 finish: Callable[[], None] | None = None) -> None:
-        # five stores and no more: this runs on every operation (``op`` is a name, or
-        # (name, peer, tag) for send/recv); ``_req is None`` marks a completed Work
+                 finish: Callable[[], None] | None = None, keep: Any = None) -> None:
+        # a few stores and no more: this runs on every operation (``op`` is a name, or
+        # (name, peer, tag) for send/recv); ``_req is None`` marks a completed Work.
+        # ``keep`` holds the buffers MPI reads and writes until the request completes: a
+        # caller may pass a temporary (``t.all_reduce(np.array(x), op)``) and MPI must not
+        # write into freed memory
         self._req = req
         self._owner = owner
         self._op = op
         self._seq = seq
         self._finish = finish
+        self._keep = keep
 
     def _late(self, limit: float) -> str:
         what, hint = self._owner.explain(self._op, self._seq)
@@ -146,6 +150,7 @@ class MPIWork:
 
     def _complete(self) -> bool:
         self._req = None
+        self._keep = None
         finish = self._finish
         if finish is not None:
             self._finish = None
@@ -207,6 +212,7 @@ class MPIWork:
                    lambda: f"cancelling: {self._late(timeout)}")
         self._req = None
         self._finish = None
+        self._keep = None
         return True
 
 

@@ -16,8 +16,9 @@ A, B): ``ratio`` is transport busbw / mpi4py busbw (the median over rounds of th
 ratio), ``+us`` the latency the transport adds (difference of the medians).
 A round starts at a barrier and times k back-to-back calls (k chosen, the same on every
 rank, so a round lasts about 2 ms); a round's time is the slowest rank's, and a cell is
-the median over rounds. Candidates are a name -> call table, so another path (the lazy
-Communicator) is one more entry.
+the median over rounds. Candidates are a name -> call table; ``lazy`` is the lazy
+Communicator over the same transport, a collective built on a leaf and realised per call
+(``lazy ratio`` = lazy busbw / mpi4py busbw, ``lazy +us`` its added latency).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from fuelspmd.bench import (
     print_table,
     time_calls,
 )
+from fuelspmd.comm.communicator import Communicator
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
+from fuelspmd.tensor import tensor
 from fuelspmd.transport import ReduceOp, Transport
 
 __all__ = ["BUS_FACTOR", "main", "run"]
@@ -82,6 +85,24 @@ def _transport_call(t: Transport, op: str, bufs: tuple[np.ndarray, ...], rop: Re
     if op == "reduce_scatter":
         return lambda: t.reduce_scatter(send, recv, rop).wait()
     return lambda: t.all_to_all(send, recv).wait()
+
+
+def _lazy_call(comm: Communicator, op: str, bufs: tuple[np.ndarray, ...], rop: ReduceOp
+               ) -> Call:
+    """Build the lazy collective on a leaf holding the send buffer (made once, as a
+    parameter is) and realise it, each call: the whole cost a program sees (building the
+    node, realising it, the copy an in-place op needs so the leaf's array is not
+    overwritten, the transport call)."""
+    x = tensor(bufs[0], device=comm.device)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(x, rop).realize()
+    if op == "broadcast":
+        return lambda: comm.broadcast(x, 0).realize()
+    if op == "all_gather":
+        return lambda: comm.all_gather(x, 0).realize()
+    if op == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, 0, rop).realize()
+    return lambda: comm.all_to_all(x, 0, 0).realize()
 
 
 def _mpi4py_call(comm: Any, op: str, bufs: tuple[np.ndarray, ...], rop: ReduceOp) -> Call:
@@ -134,7 +155,8 @@ def _measure(t: Transport, calls: dict[str, Call], sync: Call, *, warmup: int,
 
 
 def run(t: Transport, *, ops: list[str], sizes: list[int], dtype: str, reduce_op: ReduceOp,
-        baseline: str | None, warmup: int, rounds: int) -> list[dict[str, Any]]:
+        baseline: str | None, warmup: int, rounds: int, with_lazy: bool = True
+        ) -> list[dict[str, Any]]:
     """Measure every op at every size; return one row per (op, size), on every rank."""
     dt = np.dtype(dtype)
     n = t.size
@@ -147,12 +169,15 @@ def run(t: Transport, *, ops: list[str], sizes: list[int], dtype: str, reduce_op
     if reduce_op is ReduceOp.AVG and comm is not None:
         raise ConfigError("--op avg has no raw MPI counterpart; use sum, prod, min or max")
     sync: Call = comm.Barrier if comm is not None else (lambda: t.barrier().wait())
+    lazy = Communicator(t, device="cpu:0") if with_lazy else None
     rows = []
     for op in ops:
         for size in sizes:
             count = max(n, size // dt.itemsize // n * n)
             bufs = _buffers(op, count, n, dt)
             calls = {"fuelspmd": _transport_call(t, op, bufs, reduce_op)}
+            if lazy is not None:
+                calls["lazy"] = _lazy_call(lazy, op, bufs, reduce_op)
             if comm is not None:
                 calls["mpi4py"] = _mpi4py_call(comm, op, bufs, reduce_op)
             per_round = _measure(t, calls, sync, warmup=warmup, rounds=rounds)
@@ -169,26 +194,35 @@ def run(t: Transport, *, ops: list[str], sizes: list[int], dtype: str, reduce_op
                 row["ratio"] = median([b / a for a, b in zip(per_round["fuelspmd"],
                                                              per_round["mpi4py"])])
                 row["added_us"] = (secs["fuelspmd"] - secs["mpi4py"]) * 1e6
+                if "lazy" in secs:
+                    row["lazy_ratio"] = median([b / a for a, b in zip(per_round["lazy"],
+                                                                      per_round["mpi4py"])])
+                    row["lazy_added_us"] = (secs["lazy"] - secs["mpi4py"]) * 1e6
             rows.append(row)
     return rows
 
 
 def _flat(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if not isinstance(v, dict)}
-    for name in ("fuelspmd", "mpi4py"):
+    for name in ("fuelspmd", "lazy", "mpi4py"):
         for k, v in row.get(name, {}).items():
             out[f"{name}.{k}"] = v
     return out
 
 
-def _columns(baseline: bool) -> list[Column]:
+def _columns(baseline: bool, lazy: bool) -> list[Column]:
     cols = [Column("size(B)", "bytes"), Column("count", "count")]
-    for name, short in (("fuelspmd", "fs"), *((("mpi4py", "mpi4py"),) if baseline else ())):
+    names = [("fuelspmd", "fs"), *([("lazy", "lazy")] if lazy else []),
+             *([("mpi4py", "mpi4py")] if baseline else [])]
+    for name, short in names:
         cols += [Column(f"{short} us", f"{name}.time_us", "{:.2f}"),
                  Column(f"{short} algbw", f"{name}.algbw", "{:.3f}"),
                  Column(f"{short} busbw", f"{name}.busbw", "{:.3f}")]
     if baseline:
         cols += [Column("ratio", "ratio", "{:.3f}"), Column("+us", "added_us", "{:+.2f}")]
+        if lazy:
+            cols += [Column("lazy ratio", "lazy_ratio", "{:.3f}"),
+                     Column("lazy +us", "lazy_added_us", "{:+.2f}")]
     return cols
 
 
@@ -207,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per candidate and size")
     p.add_argument("--baseline", choices=["mpi4py"], default=None,
                    help="interleave raw mpi4py buffer calls and print the ratio")
+    p.add_argument("--no-lazy", action="store_true",
+                   help="leave out the lazy Communicator column (realised per call)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -236,6 +272,7 @@ def _main(argv: list[str]) -> int:
     t = init().transport
     rows = run(t, ops=ops, sizes=_sizes(lo, hi, args.step_factor), dtype=args.dtype,
                reduce_op=ReduceOp.parse(args.op), baseline=args.baseline,
+               with_lazy=not args.no_lazy,
                warmup=args.warmup, rounds=args.iters)
     if t.rank != 0:
         return 0
@@ -244,7 +281,7 @@ def _main(argv: list[str]) -> int:
     if args.json:
         print_json({**meta, "rows": rows})
         return 0
-    cols = _columns(args.baseline is not None)
+    cols = _columns(args.baseline is not None, not args.no_lazy)
     for op in ops:
         title = (f"{op}  {args.dtype}  {t.size} ranks  transport {t.name}  (times: median of "
                  f"{args.iters} rounds, slowest rank; bandwidths GB/s)")

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from fuelspmd.backend import get_backend
+
 from .fused import run_generic
 from .node import Node, mark_realised
 from .passes import lower, optimise
@@ -100,14 +102,25 @@ class Executor:
         self.runs = 0
 
     def plan(self, targets: list[Node]) -> tuple[Plan, list[Node]]:
-        """Return the plan of ``targets`` (from the cache when the structure was seen)."""
+        """Return the plan of ``targets`` (from the cache when the structure was seen).
+
+        Effectful nodes (collectives) under the targets become targets too, appended to
+        ``targets`` in place: each runs once, so each must keep its result.
+        """
         # Lowering and optimising make many objects and no reference cycles: a cyclic
         # collection here would only rescan the heap (CPython's 25% rule fires on big
         # graphs), so it waits until the plan is made.
         enabled = gc.isenabled()
         gc.disable()
         try:
-            sigs, leaves, outs = lower(targets)
+            effects: list[Node] = []
+            sigs, leaves, outs = lower(targets, effects)
+            if effects:
+                known = {id(t) for t in targets}
+                extra = [e for e in effects if id(e) not in known]
+                if extra:
+                    targets.extend(extra)
+                    sigs, leaves, outs = lower(targets)
             key = (tuple(sigs), outs)
             plan = self.cache.get(key)
             if plan is None:
@@ -124,6 +137,15 @@ class Executor:
         targets = list({id(n): n for n in nodes if n.buffer is None}.values())
         if not targets:
             return
+        if len(targets) == 1:
+            t = targets[0]
+            if t.op.effectful and t.op.kernel is not None and all(
+                    x.buffer is not None for x in t.inputs):
+                # one collective over realised values (a parameter's all_reduce): nothing to
+                # optimise or plan, and its inputs belong to others, so nothing to donate
+                be = get_backend(t.device.kind)
+                mark_realised(t, t.op.kernel(be, t.attrs, *[x.buffer for x in t.inputs]))
+                return
         plan, leaves = self.plan(targets)
         arrays = self.run(plan, leaves)
         for node, arr in zip(targets, arrays):
@@ -175,6 +197,30 @@ class Executor:
                 vals[s.out] = out
                 if s.owns:
                     mem.own(nbytes[s.out])
+            elif kind == "collective":
+                ins = s.instr
+                args = [vals[i] for i in s.ins]
+                # only an op that declares inplace_ok is ever told it may overwrite input 0
+                vals[s.out] = (ins.op.kernel(s.backend, ins.attrs, *args, donate=True)
+                               if s.donate else ins.op.kernel(s.backend, ins.attrs, *args))
+            elif kind == "start":  # the pending operation waits in the output's slot
+                ins = s.instr
+                args = [vals[i] for i in s.ins]
+                vals[s.out] = (ins.op.start(s.backend, ins.attrs, *args, donate=True)
+                               if s.donate else ins.op.start(s.backend, ins.attrs, *args))
+            elif kind == "wait":
+                vals[s.out] = vals[s.out].finish()
+            elif kind == "bucket_start":
+                ins = s.instr
+                vals[s.out] = ins.op.bucket(s.backend, ins.attrs, [vals[i] for i in s.ins])
+            elif kind == "bucket_wait":
+                for v, arr in zip(s.members, vals[s.out].finish()):
+                    vals[v] = arr
+            elif kind == "bucket":  # several collectives in one call; results in order
+                ins = s.instr
+                outs = ins.op.bucket(s.backend, ins.attrs, [vals[i] for i in s.ins]).finish()
+                for v, arr in zip(s.members, outs):
+                    vals[v] = arr
             elif kind == "matmul_out":
                 buf = mem.alloc(s.instr.shape, s.np_dtypes[0], nbytes[s.out])
                 vals[s.out] = np.matmul(vals[s.ins[0]], vals[s.ins[1]], out=buf)

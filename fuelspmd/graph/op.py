@@ -12,7 +12,9 @@ Each entry holds everything the graph knows about a primitive, side by side:
 - ``kind``: how the optimiser may treat it. ``elementwise`` ops may be fused (``ufunc`` names
   the numpy ufunc of the CPU out= path, ``cexpr`` the C expression of the cupy kernel);
   ``view`` ops return an alias of their input's memory; ``effectful`` ops (collectives,
-  added by the communicator layer) are never merged, folded or dropped.
+  added by the communicator layer) are never merged, folded or dropped; one with a
+  ``bucket`` kernel may have consecutive nodes of equal attributes fused into one call by
+  the planner (gradient bucketing).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class Op:
     cexpr: str | None = None
     inplace_ok: tuple[int, ...] | None = None  # operands a fused CPU step may overwrite
     effectful: bool = False
+    # collectives: ``start(backend, attrs, *arrays, donate=)`` issues the op and returns an
+    # object whose ``finish()`` waits and gives the value, so the planner can put steps
+    # between the two; ``bucket(backend, attrs, arrays)`` starts several nodes of equal
+    # attrs as one (its finish gives the list), in buckets of ``bucket_bytes(attrs)`` bytes
+    start: Callable[..., Any] | None = None
+    bucket: Callable[..., Any] | None = None
+    bucket_bytes: Callable[[Attrs], int] | None = None
 
     @property
     def fusable(self) -> bool:

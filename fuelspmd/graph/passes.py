@@ -42,11 +42,14 @@ class Instr:
         return f"{self.op.name}{self.ins} {self.shape} {self.dtype}"
 
 
-def lower(targets: list[Node]) -> tuple[list[Sig], list[Node], tuple[int, ...]]:
+def lower(targets: list[Node], effects: list[Node] | None = None
+          ) -> tuple[list[Sig], list[Node], tuple[int, ...]]:
     """Walk the unrealised graph under ``targets`` (iteratively: graphs may be deep).
 
     Returns the signatures in topological order, the leaf nodes (in the order of their
-    placeholder slots), and the indices of the targets.
+    placeholder slots), and the indices of the targets. When ``effects`` is a list, the
+    effectful nodes met on the way are appended to it (a collective that runs must be
+    marked realised, or a later realise would issue it again).
     """
     index: dict[int, int] = {}
     sigs: list[Sig] = []
@@ -65,6 +68,8 @@ def lower(targets: list[Node]) -> tuple[list[Sig], list[Node], tuple[int, ...]]:
                 sigs.append((leaf_op, (), (), node.shape, node.dtype, node.device))
                 leaves.append(node)
             elif expanded:
+                if effects is not None and node.op.effectful:
+                    effects.append(node)
                 index[id(node)] = len(sigs)
                 sigs.append((node.op, tuple(index[id(x)] for x in node.inputs), node.attrs,
                              node.shape, node.dtype, node.device))

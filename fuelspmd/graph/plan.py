@@ -3,7 +3,10 @@
 A :class:`Plan` is a function of the graph's structure only; the executor binds leaf
 buffers to its placeholder slots and runs ``steps`` in order. The schedule is a plain list,
 so a later "start"/"wait" pair (a collective started when its input is ready and waited
-where its result is first needed) is just two more steps in it.
+where its result is first needed) is just two more steps in it. A collective (an
+effectful op) is a ``collective`` step: its result is never pooled or donated (an
+in-process group shares one result array between devices), and it may itself take over
+its input's buffer when that input dies at the step (``donate``).
 
 Memory plan, decided here once per plan:
 
@@ -63,6 +66,8 @@ class Step:
     out_dtypes: list[DType] = field(default_factory=list)  # fused_cupy: root, then exports
     release: list[tuple[int, bool]] = field(default_factory=list)
     drop: list[int] = field(default_factory=list)
+    donate: bool = False  # collective: its in-place input dies here, so it may be overwritten
+    pair: int = -1  # start: the index of its wait step
 
 
 @dataclass(eq=False)
@@ -169,15 +174,133 @@ def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...
             exports = _exports(groups[g], group_of, g, users, out_set)
             steps.append(Step("fused", v, tuple(ext), ins, be, members=groups[g],
                               exports=sorted(exports)))
+        elif ins.op.effectful:
+            steps.append(Step("collective", v, ins.ins, ins, be, owns=False))
         elif ins.op.name == "matmul" and be.kind == "cpu":
             steps.append(Step("matmul_out", v, ins.ins, ins, be,
                               np_dtypes=[to_numpy(ins.dtype)]))
         else:
             steps.append(Step("kernel", v, ins.ins, ins, be, owns=ins.op.kind != "view"))
+    steps = _overlap(_buckets(ir, steps))
     _plan_memory(ir, steps, outs)
     n_fused = sum(len(s.prog.code) for s in steps if s.prog is not None)
     nbytes = [ins.size * ins.dtype.itemsize for ins in ir]
     return Plan(n, leaf_slots, presets, steps, outs, nbytes, n_fused)
+
+
+def _buckets(ir: list[Instr], steps: list[Step]) -> list[Step]:
+    """Fuse runs of bucketable collectives that are ready together into ``bucket`` steps.
+
+    A run is collective steps of one op with equal attributes (so one communicator and
+    reduce op), dtype and device, up to the op's bucket size, with no other collective
+    between them and no step between them reading a member's result (a member's only
+    member input is the previous member, as its order token). The run becomes one step at
+    its last member's place: every member's input is ready there, and no one needed a
+    result earlier. Moving a collective later never reorders one communicator's
+    collectives, so the transport order stays the creation order.
+    """
+    out: list[Step] = []
+    run: list[Step] = []
+    members: set[int] = set()
+    run_bytes = 0
+
+    def close() -> None:
+        nonlocal run, run_bytes
+        if len(run) > 1:
+            last = run[-1]
+            ins = tuple(s.ins[k] for s in run for k in range(s.instr.attrs[1]))
+            out.append(Step("bucket", last.out, ins, last.instr, last.backend, owns=False,
+                            members=[s.out for s in run]))
+        else:
+            out.extend(run)
+        run, run_bytes = [], 0
+        members.clear()
+
+    for s in steps:
+        op = s.instr.op
+        if s.kind == "collective" and op.bucket is not None and op.bucket_bytes is not None:
+            nbytes = s.instr.size * s.instr.dtype.itemsize
+            head = run[0].instr if run else None
+            if not (head is not None and head.op is op and head.attrs == s.instr.attrs
+                    and head.dtype is s.instr.dtype and head.device == s.instr.device
+                    and run_bytes + nbytes <= op.bucket_bytes(s.instr.attrs)
+                    and not any(u in members for u in s.ins[:s.instr.attrs[1]])):
+                close()
+            run.append(s)
+            members.add(s.out)
+            run_bytes += nbytes
+            continue
+        if s.kind == "collective" or any(u in members for u in s.ins):
+            close()
+        out.append(s)  # with a run open, it runs before the bucket: it reads no member
+    close()
+    return out
+
+
+def _overlap(steps: list[Step]) -> list[Step]:
+    """Split every collective (and bucket) step into a start and a wait, and move them.
+
+    A start goes right after the step that computes its last data input (order tokens do
+    not count), but never before an earlier start: starts keep their order, so each
+    communicator's transport order is still the creation order. A wait goes right before
+    the first step that reads its result, or at the end, but before the next start on the
+    same communicator: one operation in flight per communicator (the collective guard
+    settles operations one at a time; buckets give the many-at-once case one call). The
+    wait lists the same inputs as the start, so the memory plan keeps them alive while the
+    transport may still read them.
+    Positions are the original indices with fractions, so the sort is one pass.
+    """
+    if not any(s.kind in ("collective", "bucket") and s.instr.op.start is not None
+               for s in steps):
+        return steps
+    readers: dict[int, list[int]] = {}
+    for j, s in enumerate(steps):
+        data = s.ins
+        if s.kind == "collective":
+            data = s.ins[:s.instr.attrs[1]]
+        for u in data:
+            readers.setdefault(u, []).append(j)
+    made_at: dict[int, float] = {}
+    keyed: list[tuple[tuple[float, int], Step]] = []  # (position, tie-break), step
+    in_flight: dict[int, int] = {}  # communicator -> index in keyed of its last wait
+    last_start = (-1.0, 0)
+    for i, s in enumerate(steps):
+        op = s.instr.op
+        if s.kind not in ("collective", "bucket") or op.start is None:
+            made_at[s.out] = i
+            for e in s.exports:
+                made_at[e] = i
+            keyed.append(((float(i), 0), s))
+            continue
+        data = s.ins if s.kind == "bucket" else s.ins[:s.instr.attrs[1]]
+        ready = max([-1.0, *(made_at.get(u, -1.0) + 0.1 for u in data)])
+        at = max((last_start[0], last_start[1] + 2), (ready, 2 * len(keyed) + 2))  # in order
+        last_start = at
+        outs = s.members if s.kind == "bucket" else [s.out]
+        first = min((j for u in outs for j in readers.get(u, []) if j > i),
+                    default=len(steps))
+        kind = "bucket_" if s.kind == "bucket" else ""
+        start = Step(f"{kind}start", s.out, s.ins, s.instr, s.backend, owns=False,
+                     members=s.members)
+        wait = Step(f"{kind}wait", s.out, s.ins, s.instr, s.backend, owns=False,
+                    members=s.members)
+        prev = in_flight.get(id(s.instr.attrs[0]))
+        if prev is not None:  # one operation in flight per communicator: its wait goes
+            # before the next start there (the collective guard settles them one by one)
+            keyed[prev] = (min(keyed[prev][0], (at[0], at[1] - 1)), keyed[prev][1])
+        keyed.append((at, start))
+        keyed.append(((first - 0.25, 1), wait))
+        in_flight[id(s.instr.attrs[0])] = len(keyed) - 1
+        for u in outs:
+            made_at[u] = first - 0.25
+    keyed.sort(key=lambda k: k[0])
+    order = [k[1] for k in keyed]
+    pos = {id(s): j for j, s in enumerate(order)}
+    waits = {s.out: pos[id(s)] for s in order if s.kind in ("wait", "bucket_wait")}
+    for s in order:
+        if s.kind in ("start", "bucket_start"):
+            s.pair = waits[s.out]
+    return order
 
 
 def _is_fill(ins: Instr) -> bool:
@@ -220,7 +343,7 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
     for s in steps:
         if s.instr.op.kind == "view":
             storage[s.out] = storage[s.ins[0]]
-        else:
+        elif not s.instr.op.effectful:  # a collective's result may be shared: never reused
             owned[s.out] = True
         for e in s.exports:
             owned[e] = True
@@ -243,6 +366,11 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
                           and store_last[u] == i and aliases[u] == 1
                           and ir[u].shape == s.instr.shape}
             _compile_fused(ir, s, donors)
+        elif s.kind in ("collective", "start") and s.instr.op.inplace_ok and s.ins:
+            u = s.ins[0]
+            ends = s.pair if s.kind == "start" else i  # the input lives until the wait
+            s.donate = (storage[u] == u and owned[u] and not pinned[u]
+                        and store_last[u] == ends and sum(storage[x] == u for x in s.ins) == 1)
     # simulate the pool: a released buffer is kept only for a later allocation of its key
     remaining: dict[PoolKey, int] = {}
     for s in steps:
@@ -261,6 +389,8 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             remaining[k] -= 1
             if pooled.get(k, 0):
                 pooled[k] -= 1
+        if s.donate:  # the collective's result takes over its input's buffer
+            store_last[s.ins[0]] = -2
         if s.runner is not None and s.prog is not None:
             part = math.prod(s.runner.scratch_shape)
             s.scratch_pool = [keep((part, s.prog.temps[t]), s) for t in s.runner.scratch]

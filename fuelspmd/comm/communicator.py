@@ -1,0 +1,237 @@
+"""The lazy :class:`Communicator`: collectives as effectful graph nodes over any Transport.
+
+Layer 4: imports the graph, the Tensor front and the transport seam. A Communicator builds
+nodes only; the transport is called when the graph runs. The rules:
+
+- **Order (invariant 1).** Each collective node takes the communicator's previous
+  still-unrealised collective as one more input (a *token*; its value is never read), so
+  the topological order of any graph is the creation order and realising collective ``k``
+  realises ``k - 1`` first. The op's attributes hold the communicator (hashed by identity)
+  and static parameters only, never a sequence number, so the next training step's graph
+  has the same structure and the plan cache hits; the transport numbers operations when
+  they are issued. The communicator keeps the tail of its chain, so :meth:`flush`,
+  :meth:`barrier` and :meth:`split` can issue everything built so far.
+- **No clobbering.** A transport op that writes in place gets a contiguous copy of its
+  input, unless the planner proved the input dies at this step (``donate``).
+- **Bucketing (opt-in).** With ``bucket_bytes > 0``, all_reduces of one communicator
+  with the same reduce op and dtype that the planner finds ready together in one realise
+  are fused into one transport call of at most ``bucket_bytes`` and split back out: the
+  same numbers, one latency instead of many. Which calls are fused depends on what is
+  realised together, so turn it on only where every rank realises these collectives at
+  the same points (a training step realised as one graph). If ranks differ, the guard
+  (or a DeviceGroup) raises CollectiveMismatchError on every rank; nothing hangs.
+- **Overlap.** The planner starts a collective right after its input is computed and
+  waits for it right before its result is first read, so independent compute runs while
+  it is in flight (one operation in flight per communicator; see ``graph.plan``).
+- **Size 1 costs nothing.** Every collective of a size-1 communicator returns its input
+  (send/recv to self pair up at build time); no node, no transport call.
+
+Host staging: a ``strict`` (array-api-strict) tensor goes to the transport as a numpy
+array and comes back as a strict array; numpy and cupy arrays go as they are. A transport
+that offers ``all_reduce_shared(buf, op, timeout) -> array`` (the in-process transport of a
+DeviceGroup) reduces once for every device and returns one read-only array shared by all.
+
+Send/recv tags are the count of earlier messages to (from) that peer on this communicator,
+taken at issue time: issue order is creation order on both sides, so the k-th send of
+rank a to b meets the k-th recv of b from a.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from fuelspmd.backend import Device
+from fuelspmd.backend import device as as_device
+from fuelspmd.dtypes import DType, Shape, normalize_axis
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.errors import ConfigError, DeviceError, ShapeError
+from fuelspmd.graph.node import Node, canonical, const, make
+from fuelspmd.tensor import Tensor, realize
+from fuelspmd.transport import ReduceOp, Transport, check_peer
+
+from . import ops as _ops  # noqa: F401  (registers the collective ops)
+
+__all__ = ["Communicator"]
+
+TAG_LIMIT = 32768  # MPI guarantees tags below 32767; message counts wrap under it
+BUCKET_BYTES = 4 << 20  # a good bucket size when bucketing is turned on
+
+
+class Communicator:
+    """Lazy collectives over ``transport`` for tensors on ``device``; see the module docs."""
+
+    def __init__(self, transport: Transport, *, device: Device | str, timeout: float = 600.0,
+                 bucket_bytes: int = 0) -> None:
+        if not timeout > 0:
+            raise ConfigError(f"Communicator(timeout={timeout}): give a positive number of "
+                              "seconds, e.g. 600")
+        if bucket_bytes < 0:
+            raise ConfigError(f"Communicator(bucket_bytes={bucket_bytes}): give 0 (no "
+                              "bucketing) or a positive byte count, e.g. 4 << 20")
+        self.bucket_bytes = int(bucket_bytes)
+        self.transport = transport
+        self.device = canonical(as_device(device))
+        self.timeout = float(timeout)
+        self.rank: int = transport.rank
+        self.size: int = transport.size
+        self._tail: Node | None = None
+        self._built = 0  # collectives built, and issued: equal when nothing is pending
+        self._done = 0
+        self._self_sent: deque[Node] = deque()  # size 1: sends waiting for their recv
+        self._sent: dict[int, int] = {}       # peer -> messages sent so far (issue time)
+        self._received: dict[int, int] = {}   # peer -> messages received so far
+        self._shared = getattr(transport, "all_reduce_shared", None)
+        self._spare: dict[Any, Any] = {}  # staging copies, reused once unreferenced (ops.py)
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, size={self.size}, device='{self.device}', "
+                f"transport={self.transport.name!r})")
+
+    # ---- building ---------------------------------------------------------------------
+    def _check(self, t: Tensor, op: str) -> Node:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: expected a fuelspmd Tensor, got {type(t).__name__}")
+        if t.device != self.device:
+            raise DeviceError(f"{op}: the tensor is on {t.device} but this communicator's "
+                              f"device is {self.device}; move it with .to('{self.device}')")
+        return t.node
+
+    def _node(self, name: str, inputs: tuple[Node, ...], params: tuple[Any, ...]) -> Node:
+        """Build collective ``name`` chained after the previous unrealised one."""
+        tail = self._tail
+        ins = inputs + ((tail,) if tail is not None and tail.buffer is None else ())
+        node = make(name, ins, (self, len(inputs), *params))
+        self._tail = node
+        self._built += 1
+        return node
+
+    def _reset(self) -> None:
+        """Forget pending collectives and message counts (the group failed and restarts)."""
+        self._tail = None
+        self._built = self._done = 0
+        self._sent.clear()
+        self._received.clear()
+        self._self_sent.clear()
+
+    def _issued(self, k: int = 1) -> None:
+        """Count ``k`` collectives issued; once all built ones are, let go of the tail (it
+        would pin its result: an in-process group reuses a result's memory once free)."""
+        self._done += k
+        if self._done == self._built:
+            self._tail = None
+
+    def _token(self, dt: DType) -> Tensor:
+        return Tensor(const(0, (), dt, self.device))
+
+    def flush(self) -> None:
+        """Issue every collective built on this communicator that has not run yet."""
+        if self._tail is not None and self._tail.buffer is None:
+            realize(Tensor(self._tail))  # the chain: every earlier unrealised one runs too
+        self._tail = None
+        self._done = self._built
+
+    # ---- collectives ------------------------------------------------------------------
+    def all_reduce(self, t: Tensor, op: ReduceOp | str = "sum") -> Tensor:
+        """Return ``op`` over ranks of ``t`` (every rank gets the result)."""
+        node, rop = self._check(t, "all_reduce"), ReduceOp.parse(op)
+        if self.size == 1:
+            return t
+        return Tensor(self._node("comm.all_reduce", (node,), (rop,)))
+
+    def all_gather(self, t: Tensor, axis: int = 0) -> Tensor:
+        """Return the ranks' ``t`` concatenated along ``axis`` in rank order."""
+        node = self._check(t, "all_gather")
+        ax = normalize_axis(axis, len(t.shape), op="all_gather")
+        if self.size == 1:
+            return t
+        return Tensor(self._node("comm.all_gather", (node,), (ax,)))
+
+    def reduce_scatter(self, t: Tensor, axis: int = 0, op: ReduceOp | str = "sum") -> Tensor:
+        """Reduce ``t`` over ranks and return block ``rank`` of it along ``axis``."""
+        node, rop = self._check(t, "reduce_scatter"), ReduceOp.parse(op)
+        ax = normalize_axis(axis, len(t.shape), op="reduce_scatter")
+        _divisible("reduce_scatter", t.shape, ax, self.size)
+        if self.size == 1:
+            return t
+        return Tensor(self._node("comm.reduce_scatter", (node,), (ax, rop)))
+
+    def broadcast(self, t: Tensor, root: int = 0) -> Tensor:
+        """Return rank ``root``'s ``t`` on every rank."""
+        node = self._check(t, "broadcast")
+        check_peer("broadcast", root, self.size, what="root")
+        if self.size == 1:
+            return t
+        return Tensor(self._node("comm.broadcast", (node,), (int(root),)))
+
+    def all_to_all(self, t: Tensor, split_axis: int, concat_axis: int) -> Tensor:
+        """Split ``t`` in ``size`` blocks along ``split_axis``, send block r to rank r, and
+        concatenate the blocks received, in rank order, along ``concat_axis``."""
+        node = self._check(t, "all_to_all")
+        sa = normalize_axis(split_axis, len(t.shape), op="all_to_all")
+        ca = normalize_axis(concat_axis, len(t.shape), op="all_to_all")
+        _divisible("all_to_all", t.shape, sa, self.size)
+        if self.size == 1:
+            return t
+        return Tensor(self._node("comm.all_to_all", (node,), (sa, ca)))
+
+    def send(self, t: Tensor, dst: int) -> Tensor:
+        """Send ``t`` to rank ``dst``; return a 0-d token (realising it issues the send).
+
+        A send also runs when any later collective of this communicator runs, or on
+        :meth:`flush`. Its vjp is a recv of the cotangent from ``dst``, so a backward
+        reaches it when the token takes part in the loss (``loss + 0 * token``).
+        """
+        node = self._check(t, "send")
+        check_peer("send", dst, self.size, what="dst")
+        if self.size == 1:
+            self._self_sent.append(node)
+            return self._token(t.dtype)
+        return Tensor(self._node("comm.send", (node,), (int(dst),)))
+
+    def recv(self, shape: Shape, dtype: DType | str, src: int) -> Tensor:
+        """Return the tensor of ``shape`` and ``dtype`` that rank ``src`` sends next."""
+        check_peer("recv", src, self.size, what="src")
+        shp = tuple(int(d) for d in shape)
+        dt = as_dtype(dtype)
+        if self.size == 1:
+            if not self._self_sent:
+                raise ConfigError("recv from rank 0 on a size-1 communicator: nothing was "
+                                  "sent to self before it; call send(t, 0) first")
+            node = self._self_sent.popleft()
+            if node.shape != shp or node.dtype is not dt:
+                raise ShapeError(f"recv({shp}, {dt}) from self, but the matching send was "
+                                 f"{node.shape} {node.dtype}; use the sent shape and dtype")
+            return Tensor(node)
+        return Tensor(self._node("comm.recv", (), (shp, dt, int(src))))
+
+    def barrier(self) -> None:
+        """Issue every collective built so far, then wait until every rank gets here."""
+        if self.size == 1:
+            self.flush()
+            return
+        tok = self._node("comm.barrier", (), ())
+        realize(Tensor(tok))
+
+    def split(self, color: int, key: int = 0) -> Communicator:
+        """Return the communicator of the ranks with the same ``color``, ordered by ``key``.
+
+        Collective over this communicator and eager: it first issues every pending
+        collective (so all ranks see the same transport order), then splits.
+        """
+        self.flush()
+        return Communicator(self.transport.split(int(color), int(key)), device=self.device,
+                            timeout=self.timeout, bucket_bytes=self.bucket_bytes)
+
+    def _tag(self, counts: dict[int, int], peer: int) -> int:
+        n = counts.get(peer, 0)
+        counts[peer] = n + 1
+        return n % TAG_LIMIT
+
+
+def _divisible(op: str, shape: Shape, axis: int, n: int) -> None:
+    if shape[axis] % n:
+        ok = [d for d in range(1, shape[axis] + 1) if shape[axis] % d == 0]
+        raise ShapeError(f"{op}: axis {axis} of shape {shape} has {shape[axis]} elements, "
+                         f"not divisible by the {n} ranks; group sizes that divide it: {ok}, "
+                         f"or pad axis {axis} to a multiple of {n}")

@@ -1,0 +1,376 @@
+"""``LocalTransport``: the in-process Transport of a :class:`~fuelspmd.DeviceGroup`.
+
+Layer 4 (a transport, so imports errors, backend and transport only). Peers are threads of
+one process. Matching: the group numbers each member's collectives in issue order (the
+Communicator's token chain makes issue order creation order). Collective ``k`` of every
+member meets in one slot; the last to arrive checks that all agree on op, shape, dtype,
+reduce op and root (else :class:`CollectiveMismatchError` on every member, naming devices
+and fields) and computes the result once for all. An all_reduce of host arrays (numpy and
+array-api-strict devices share host memory) is reduced chunk by chunk, by all the members'
+threads in parallel (numpy releases the GIL), into one array that every member gets
+read-only (``all_reduce_shared``): nothing is copied n times. A cupy buffer is staged
+through host memory. A member whose program returned or failed without joining a
+collective the others wait in makes them raise at once, naming it; otherwise a wait gives
+up after ``timeout`` seconds, naming the members that never came.
+
+Send/recv go through per-(src, dst, tag) mailboxes: a send deposits a copy and returns,
+a recv waits for its message.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import numpy as np
+
+from fuelspmd.backend import to_host
+from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError, PeerAbortedError
+from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+
+__all__ = ["LocalTransport", "local_group", "reuse"]
+
+CHUNK = 1 << 16  # elements per reduction chunk: 4 inputs and the sum (1.25 MiB) stay in L2
+
+_REDUCE: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+    ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+
+
+SPARE_MIN_BYTES = 1 << 18  # smaller buffers: malloc hands back warm memory anyway
+SPARE_KEYS = 4  # distinct (shape, dtype) a cache keeps, oldest dropped first
+
+
+def reuse(cache: dict[Any, np.ndarray], shape: tuple[int, ...], dt: Any) -> np.ndarray:
+    """A host buffer of ``shape`` and ``dtype``: the cache's last one when nothing refers to
+    it any more (its reference count shows only the cache, this frame and the check: no
+    graph value, result or view holds it), else a new one, cached when large.
+
+    Fresh memory costs a page fault per 4 KiB, as much as the copy or reduction that fills
+    it; a training loop asks for the same sizes step after step.
+    """
+    key = (shape, dt)
+    buf = cache.get(key)
+    if buf is not None and sys.getrefcount(buf) <= 3:
+        return buf
+    buf = np.empty(shape, dt)
+    if buf.nbytes >= SPARE_MIN_BYTES:
+        cache.pop(key, None)
+        cache[key] = buf
+        while len(cache) > SPARE_KEYS:
+            del cache[next(iter(cache))]
+    return buf
+
+
+class _Job:
+    """A result computed chunk by chunk by every device of a collective, not by the last
+    one alone: numpy releases the GIL in its loops, so the devices' threads reduce in
+    parallel (each chunk's partial sum stays in cache while the inputs stream by)."""
+
+    __slots__ = ("chunks", "finished", "next", "results", "run")
+
+    def __init__(self, chunks: int, run: Callable[[int], None], results: list[Any]) -> None:
+        self.chunks, self.run, self.results = chunks, run, results
+        self.next = 0
+        self.finished = 0
+
+
+def _reduce_job(bufs: list[np.ndarray], op: ReduceOp, spare: dict[Any, np.ndarray], *,
+                shared: bool) -> _Job:
+    """Reduce host arrays of one shape into one array (from :func:`reuse`); results: that
+    array for every rank (``shared``, read-only) or rank r's block of it (reduce_scatter)."""
+    ufunc = _REDUCE[op]
+    flat = [b.reshape(-1) for b in bufs]
+    out = reuse(spare, flat[0].shape, flat[0].dtype)
+    n = len(bufs)
+    integer = np.issubdtype(out.dtype, np.integer)
+
+    def chunk(i: int) -> None:
+        lo, hi = i * CHUNK, (i + 1) * CHUNK
+        o = out[lo:hi]
+        ufunc(flat[0][lo:hi], flat[1][lo:hi], out=o)
+        for f in flat[2:]:
+            ufunc(o, f[lo:hi], out=o)
+        if op is ReduceOp.AVG:
+            if integer:
+                o //= n
+            else:
+                o /= n
+
+    full = out.reshape(bufs[0].shape)
+    results = [full] * n if shared else list(out.reshape(n, -1))
+    if shared:
+        full.flags.writeable = False  # views made before this stay writable: chunks use them
+    return _Job(max(1, -(-out.size // CHUNK)), chunk, results)
+
+
+class _Slot:
+    __slots__ = ("arrived", "done", "error", "fps", "job", "payloads", "results", "taken")
+
+    def __init__(self, n: int) -> None:
+        self.fps: list[dict[str, Any] | None] = [None] * n
+        self.payloads: list[Any] = [None] * n
+        self.results: list[Any] = []
+        self.arrived = 0
+        self.taken = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.job: _Job | None = None
+
+
+class _Group:
+    """What the members of one in-process group share: slots, mailboxes, liveness."""
+
+    def __init__(self, devices: list[str], timeout: float) -> None:
+        self.devices = devices
+        self.n = len(devices)
+        self.timeout = timeout
+        self.cond = threading.Condition()
+        self.seq = [0] * self.n
+        self.slots: dict[int, _Slot] = {}
+        self.mail: dict[tuple[int, int, int], list[np.ndarray]] = {}
+        self.gone: dict[int, str] = {}  # rank -> "returned" | "failed"
+        self.spare: dict[Any, np.ndarray] = {}  # reduction outputs, reused once unreferenced
+
+    def _missing(self, present: Callable[[int], bool], what: str, seq: int) -> None:
+        """Raise when a device we wait for has left; called with the lock held."""
+        left = {r: how for r, how in self.gone.items() if not present(r)}
+        if left:
+            names = ", ".join(f"{self.devices[r]} ({how})" for r, how in sorted(left.items()))
+            kind = PeerAbortedError if "failed" in left.values() else CollectiveMismatchError
+            raise kind(f"{what} #{seq}: device(s) {names} will never join it; every device "
+                       "of a group must issue the same collectives in the same order")
+
+    def _wait(self, ready: Callable[[], bool], present: Callable[[int], bool], what: str,
+              seq: int) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not ready():
+            self._missing(present, what, seq)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                absent = [self.devices[r] for r in range(self.n) if not present(r)]
+                raise CommTimeoutError(f"{what} #{seq}: waited {self.timeout:g} s for "
+                                       f"device(s) {', '.join(absent)}, which never joined")
+            self.cond.wait(min(left, 0.05))
+
+    def collective(self, rank: int, fp: dict[str, Any], payload: Any,
+                   compute: Callable[[list[Any]], Any]) -> Any:
+        """Join collective number ``seq[rank]``; return this rank's result."""
+        with self.cond:
+            seq = self.seq[rank]
+            self.seq[rank] = seq + 1
+            slot = self.slots.get(seq)
+            if slot is None:
+                slot = self.slots[seq] = _Slot(self.n)
+            slot.fps[rank], slot.payloads[rank] = fp, payload
+            slot.arrived += 1
+            if slot.arrived == self.n:
+                slot.error = self._compare(slot.fps, seq)
+                if slot.error is None:
+                    try:
+                        res = compute(slot.payloads)
+                        if isinstance(res, _Job):
+                            slot.job = res
+                        else:
+                            slot.results = res
+                    except Exception as e:  # every device gets the same failure
+                        slot.error = e
+                if slot.job is None:
+                    slot.done = True
+                self.cond.notify_all()
+                self._wait(lambda: self._help(slot), lambda r: True, fp["op"], seq)
+            else:
+                try:
+                    self._wait(lambda: slot.done or self._help(slot),
+                               lambda r: slot.fps[r] is not None, fp["op"], seq)
+                except BaseException:
+                    self.gone.setdefault(rank, "failed")
+                    raise
+            slot.payloads[rank] = None
+            slot.taken += 1
+            if slot.taken == self.n:
+                del self.slots[seq]
+            if slot.error is not None:
+                raise slot.error
+            return slot.results[rank]
+
+    def _help(self, slot: _Slot) -> bool:
+        """Compute chunks of the slot's job until none is left (lock held on entry and
+        exit, released around each chunk); return whether the slot is done."""
+        job = slot.job
+        while job is not None and job.next < job.chunks and slot.error is None:
+            i = job.next
+            job.next = i + 1
+            self.cond.release()
+            try:
+                job.run(i)
+            except Exception as e:
+                err: Exception | None = e
+            else:
+                err = None
+            finally:
+                self.cond.acquire()
+            if err is not None:
+                slot.error = err
+            job.finished += 1
+            if job.finished == job.chunks or slot.error is not None:
+                slot.results = job.results
+                slot.done = True
+                self.cond.notify_all()
+        return slot.done
+
+    def _compare(self, fps: list[Any], seq: int) -> CollectiveMismatchError | None:
+        first = fps[0]
+        diffs = []
+        for r, fp in enumerate(fps[1:], 1):
+            fields = [k for k in first if fp.get(k) != first.get(k)]
+            if fields:
+                diffs.append(f"{self.devices[0]} has " + ", ".join(
+                    f"{k}={first[k]}" for k in fields) + f" but {self.devices[r]} has "
+                    + ", ".join(f"{k}={fp[k]}" for k in fields))
+        if not diffs:
+            return None
+        return CollectiveMismatchError(f"collective #{seq} differs between devices: "
+                                       + "; ".join(diffs))
+
+    def post(self, key: tuple[int, int, int], data: np.ndarray) -> None:
+        with self.cond:
+            self.mail.setdefault(key, []).append(data)
+            self.cond.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> np.ndarray:
+        src = key[0]
+        with self.cond:
+            box = self.mail.setdefault(key, [])
+            self._wait(lambda: bool(box), lambda r: r != src, f"recv from {self.devices[src]}",
+                       key[2])
+            return box.pop(0)
+
+
+def _host(buf: Any) -> np.ndarray:
+    return buf if isinstance(buf, np.ndarray) else to_host(buf)
+
+
+def _write(buf: Any, host: np.ndarray) -> None:
+    """Write ``host`` into ``buf`` (numpy or cupy), whatever their shapes."""
+    if isinstance(buf, np.ndarray):
+        buf.reshape(-1)[...] = host.reshape(-1)
+    else:
+        buf.reshape(-1).set(np.ascontiguousarray(host.reshape(-1)))
+
+
+class LocalTransport:
+    """Rank ``rank`` of an in-process group: a Transport whose peers are threads.
+
+    Every method completes before it returns (the last device computes for all), so each
+    returns a finished Work.
+    """
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self._g = group
+        self.rank, self.size = rank, group.n
+        self.name = "local"
+
+    def _fp(self, op: str, buf: Any, **more: Any) -> dict[str, Any]:
+        return {"op": op, "shape": tuple(buf.shape), "dtype": str(buf.dtype), **more}
+
+    def all_reduce_shared(self, buf: Any, op: ReduceOp, timeout: float | None = None
+                          ) -> np.ndarray:
+        """Reduce once for the whole group; return the one read-only result every rank gets."""
+        host = _host(buf)
+
+        return self._g.collective(self.rank, self._fp("all_reduce", host, reduce_op=op.value),
+                                  host,
+                                  lambda bufs: _reduce_job(bufs, op, self._g.spare, shared=True))
+
+    def all_reduce(self, buf: Any, op: ReduceOp) -> Work:
+        check_buffers("all_reduce", self.size, buf)
+        _write(buf, self.all_reduce_shared(buf, op))
+        return DONE
+
+    def all_gather(self, send: Any, recv: Any) -> Work:
+        check_buffers("all_gather", self.size, send, recv, recv_factor=self.size)
+        out = self._g.collective(self.rank, self._fp("all_gather", send), _host(send),
+                                 lambda bufs: [np.concatenate([b.reshape(-1) for b in bufs])]
+                                 * len(bufs))
+        _write(recv, out)
+        return DONE
+
+    def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp) -> Work:
+        check_buffers("reduce_scatter", self.size, send, recv, send_factor=self.size)
+
+        out = self._g.collective(self.rank, self._fp("reduce_scatter", send,
+                                                     reduce_op=op.value), _host(send),
+                                 lambda bufs: _reduce_job(bufs, op, self._g.spare, shared=False))
+        _write(recv, out)
+        return DONE
+
+    def broadcast(self, buf: Any, root: int) -> Work:
+        check_peer("broadcast", root, self.size, what="root")
+        check_buffers("broadcast", self.size, buf)
+        out = self._g.collective(self.rank, self._fp("broadcast", buf, root=int(root)),
+                                 _host(buf) if self.rank == root else None,
+                                 lambda bufs: [bufs[root]] * len(bufs))
+        if self.rank != root:
+            _write(buf, out)
+        return DONE
+
+    def all_to_all(self, send: Any, recv: Any) -> Work:
+        check_buffers("all_to_all", self.size, send, recv)
+        n = self.size
+
+        def compute(bufs: list[np.ndarray]) -> list[np.ndarray]:
+            blocks = [b.reshape(n, -1) for b in bufs]
+            return [np.concatenate([blocks[s][r] for s in range(n)]) for r in range(n)]
+
+        out = self._g.collective(self.rank, self._fp("all_to_all", send), _host(send), compute)
+        _write(recv, out)
+        return DONE
+
+    def send(self, buf: Any, peer: int, tag: int) -> Work:
+        check_peer("send", peer, self.size)
+        check_buffers("send", self.size, buf)
+        self._g.post((self.rank, int(peer), int(tag)), np.array(_host(buf), copy=True))
+        return DONE
+
+    def recv(self, buf: Any, peer: int, tag: int) -> Work:
+        check_peer("recv", peer, self.size)
+        check_buffers("recv", self.size, buf)
+        data = self._g.take((int(peer), self.rank, int(tag)))
+        if data.size != buf.size or data.dtype != _host(buf).dtype:
+            raise CollectiveMismatchError(
+                f"send/recv tag {tag}: {self._g.devices[peer]} sent {data.shape} {data.dtype} "
+                f"but {self._g.devices[self.rank]} receives {buf.shape} {buf.dtype}")
+        _write(buf, data)
+        return DONE
+
+    def barrier(self) -> Work:
+        self._g.collective(self.rank, {"op": "barrier"}, None, lambda bufs: [None] * len(bufs))
+        return DONE
+
+    def split(self, color: int, key: int) -> LocalTransport:
+        g = self._g
+
+        def compute(pairs: list[tuple[int, int]]) -> list[LocalTransport]:
+            out: list[Any] = [None] * len(pairs)
+            for c in sorted({c for c, _ in pairs}):
+                members = sorted((k, r) for r, (cc, k) in enumerate(pairs) if cc == c)
+                sub = _Group([g.devices[r] for _, r in members], g.timeout)
+                for i, (_, r) in enumerate(members):
+                    out[r] = LocalTransport(sub, i)
+            return out
+
+        return g.collective(self.rank, {"op": "split"}, (int(color), int(key)), compute)
+
+    def abort(self, code: int = 1) -> NoReturn:
+        raise PeerAbortedError(f"{self._g.devices[self.rank]} aborted the group (code {code})")
+
+
+def local_group(devices: list[str], *, timeout: float) -> tuple[Any, list[LocalTransport]]:
+    """Return the shared state of a new in-process group over ``devices`` (names used in
+    messages) and one LocalTransport per member, rank i for ``devices[i]``."""
+    g = _Group(devices, timeout)
+    return g, [LocalTransport(g, i) for i in range(len(devices))]

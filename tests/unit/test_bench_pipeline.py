@@ -1,0 +1,34 @@
+"""``fuelspmd bench pipeline`` in one process (a one-stage pipeline): the figures it
+prints come from a real measured timeline and a real simulation.
+
+Under ``mpiexec -n 2 fuelspmd bench pipeline`` the same code compares p = 2 stages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fuelspmd.bench import pipeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_one_stage_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--microbatches", "4", "--hidden", "16", "--batch", "4", "--steps", "2", "--json"]
+    assert pipeline.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["kind"]: r for r in res["rows"]}
+    assert set(rows) == {"gpipe", "1f1b"}
+    for r in rows.values():
+        assert r["stages"] == 1 and r["formula"] == 0.0
+        assert r["step_ms"] > 0 and r["sim_ms"] > 0
+        assert 0.5 < r["step_vs_sim"] < 2.0  # one rank: the step is the sum of its actions
+    # one stage: GPipe keeps all 4 micro-batches, 1F1B one at a time
+    assert res["peak_1f1b_vs_gpipe"] == pytest.approx(res["bound"]) == 0.25
+
+
+def test_bad_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert pipeline.main(["--steps", "0"]) == 2
+    assert "--steps must be >= 1, got 0" in capsys.readouterr().err

@@ -1,0 +1,162 @@
+"""PipelineExecutor in a DeviceGroup: every schedule gives the single-process loss and
+gradients; transfers, saved activations, timing and errors.
+
+The program and its numpy reference are in tests/pipeline_programs.py;
+tests/mpi/test_pipeline_executor.py runs the same program under mpiexec.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fuelspmd as fs
+from fuelspmd.device_group import DeviceGroup
+from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.mesh import Mesh
+from fuelspmd.pipeline_parallel import PipelineExecutor, schedule, simulate
+from fuelspmd.pipeline_parallel.render import chrome_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pipeline_programs as P
+
+pytestmark = pytest.mark.timeout(60)
+TIMEOUT = 20.0
+KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+def test_every_schedule_matches_one_process(n: int, kind: str, chunks: int) -> None:
+    m = 6 if n == 3 else 4
+    outs = DeviceGroup.cpu(n, timeout=TIMEOUT).run(lambda c: P.run(c, kind, m, chunks))
+    for got in outs:
+        P.check(got, n * chunks, m)
+
+
+@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+def test_dp_by_pp_averages_over_replicas(kind: str, chunks: int) -> None:
+    outs = DeviceGroup.cpu(4, timeout=TIMEOUT).run(lambda c: P.run(c, kind, 4, chunks, dp=2))
+    for got in outs:
+        P.check(got, 2 * chunks, 4, dp=2)
+    assert outs[0]["loss"] == outs[1]["loss"] == outs[2]["loss"]
+
+
+@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+def test_recompute_and_nonblocking_sends_give_the_same_numbers(kind: str, chunks: int) -> None:
+    outs = DeviceGroup.cpu(2, timeout=TIMEOUT).run(
+        lambda c: P.run(c, kind, 4, chunks, recompute=True, sends="nonblocking"))
+    for got in outs:
+        P.check(got, 2 * chunks, 4)
+
+
+def test_1f1b_saves_p_over_m_of_gpipe_activations() -> None:
+    """Rank 0 holds m micro-batches under GPipe and p under 1F1B; saved bytes follow."""
+    p, m = 2, 8
+    peaks = {}
+    for kind in ("gpipe", "1f1b"):
+        outs = DeviceGroup.cpu(p, timeout=TIMEOUT).run(lambda c, kind=kind: P.run(c, kind, m, 1))
+        peaks[kind] = [o["result"].peak_saved_bytes for o in outs]
+    assert all(b > 0 for b in peaks["gpipe"])
+    assert peaks["1f1b"][0] * m == peaks["gpipe"][0] * p
+    assert all(a <= b for a, b in zip(peaks["1f1b"], peaks["gpipe"]))
+
+
+def test_measured_timeline_covers_the_schedule_in_order() -> None:
+    p, m = 2, 4
+    outs = DeviceGroup.cpu(p, timeout=TIMEOUT).run(lambda c: P.run(c, "1f1b", m, 1))
+    tl = outs[0]["timeline"]
+    sched = schedule("1f1b", p, m)
+    assert set(tl.start) == {a for acts in sched.actions for a in acts}
+    for acts in sched.actions:  # each rank ran its actions in its order, one at a time
+        for a, b in itertools.pairwise(acts):
+            assert tl.start[a] <= tl.end[a] <= tl.start[b]
+    for a in tl.start:  # an action starts after what it needs was made
+        for key in sched.needs(a):
+            src = sched.action_at("F" if key[0] == "act" else "B", key[1], key[2])
+            assert tl.end[src] <= tl.start[a] + 1e-3  # clocks of one process
+    assert 0 < tl.makespan and 0 <= tl.bubble < 1
+    sim = simulate(sched, {a: tl.end[a] - tl.start[a] for a in tl.start})
+    assert sim.makespan <= tl.makespan * 1.5 + 1e-3
+    trace = json.loads(json.dumps(chrome_trace(tl)))
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * p * m
+
+
+def _linear(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
+    return x @ params[0]
+
+
+def test_bad_configuration_is_refused() -> None:
+    def body(comm: fs.Communicator) -> None:
+        w = [np.eye(3)]
+        with pytest.raises(ConfigError, match=r"schedule has 3 stages but .* 2 ranks"):
+            PipelineExecutor(schedule("gpipe", 3, 2), comm=comm, stages=[_linear],
+                             params=[w], loss=P.mse)
+        with pytest.raises(ConfigError, match="1 stages given but the schedule has 2 chunk"):
+            PipelineExecutor(schedule("interleaved", 2, 2, 2), comm=comm, stages=[_linear],
+                             params=[w, w], loss=P.mse)
+        ex = PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[_linear],
+                              params=[w], loss=lambda y, t: y - t)
+        if comm.rank == 0:
+            with pytest.raises(ConfigError, match="rank 0 needs inputs, one per micro-batch: "
+                                                  "2, got 1"):
+                ex.step([np.ones((1, 3))])
+        with pytest.raises(ConfigError, match="run step"):
+            ex.timeline()
+
+    DeviceGroup.cpu(2, timeout=TIMEOUT).run(body)
+
+
+def test_a_loss_that_is_not_scalar_is_refused() -> None:
+    def body(comm: fs.Communicator) -> None:
+        ex = PipelineExecutor(schedule("gpipe", 1, 1), comm=comm, stages=[_linear],
+                              params=[[np.eye(3)]], loss=lambda y, t: y - t)
+        with pytest.raises(ShapeError, match=r"loss gave shape \(1, 3\)"):
+            ex.step([np.ones((1, 3))], [np.ones((1, 3))])
+
+    DeviceGroup.cpu(1, timeout=TIMEOUT).run(body)
+
+
+def test_a_collective_in_a_stage_needs_recompute() -> None:
+    """A tp all_reduce inside a stage: saved-activation mode refuses (its backward
+    collectives would be created out of order); recompute mode matches numpy."""
+    x, t = np.arange(6.0).reshape(2, 3) / 6, np.ones((2, 3))
+    w = np.random.default_rng(1).standard_normal((3, 3))
+
+    def body(comm: fs.Communicator, recompute: bool) -> float:
+        mesh = Mesh(comm, tp=2)
+        tp = mesh.comm("tp")
+
+        def stage(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
+            return tp.all_reduce(x @ params[0]) * 0.5  # the mean of identical replicas
+
+        ex = PipelineExecutor(schedule("1f1b", 1, 2), comm=mesh.comm("pp"), stages=[stage],
+                              params=[[w]], loss=P.mse, recompute=recompute)
+        out = ex.step([x, 2 * x], [t, t])
+        return out.loss, out.grads[0][0].numpy()
+
+    group = DeviceGroup.cpu(2, timeout=TIMEOUT)
+    with pytest.raises(ConfigError, match=r"collective .*recompute=True"):
+        group.run(lambda c: body(c, False))
+    group = DeviceGroup.cpu(2, timeout=TIMEOUT)
+    for loss, gw in group.run(lambda c: body(c, True)):
+        xs = [x, 2 * x]
+        want_loss = np.mean([np.mean((xi @ w - t) ** 2) for xi in xs])
+        want_gw = sum(xi.T @ (2 * (xi @ w - t) / t.size) for xi in xs) / 2
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-10)
+        np.testing.assert_allclose(gw, want_gw, rtol=1e-9)
+
+
+@pytest.mark.parametrize("devices", [["strict:0", "strict:1"], ["cpu:0", "strict:0"]])
+@pytest.mark.parametrize(("kind", "chunks"), [("1f1b", 1), ("interleaved", 2)])
+def test_array_api_strict_and_mixed_devices(devices: list[str], kind: str,
+                                            chunks: int) -> None:
+    """Activations staged through the host between libraries give the same numbers."""
+    outs = DeviceGroup(devices, timeout=TIMEOUT).run(lambda c: P.run(c, kind, 4, chunks))
+    for got in outs:
+        P.check(got, 2 * chunks, 4)

@@ -1,0 +1,52 @@
+"""Tensor parallelism over the MPI world, at any world size.
+
+Run on every rank: ``mpiexec -n N python -m pytest --with-mpi -q
+tests/mpi/test_tensor_parallel.py`` (N = 1..4). The programs and numpy references are
+those tests/unit/test_tensor_parallel.py runs in a DeviceGroup (tests/tp_programs.py):
+the same layer objects, the same numbers, processes instead of devices.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import fuelspmd as fs
+from fuelspmd import tensor_parallel as tp
+from fuelspmd.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tp_programs as P
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+TIMEOUT = 20.0
+LOOSE = {"attention": dict(rtol=1e-6, atol=1e-7)}  # its reference is finite differences
+
+
+@pytest.fixture(scope="module")
+def world() -> fs.World:
+    return fs.init(timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("case", sorted(P.CASES))
+def test_matches_single_device_numpy(world: fs.World, case: str) -> None:
+    comm = world.comm
+    if P.H % comm.size or P.HEADS % comm.size or P.V % comm.size:
+        pytest.skip(f"the test sizes do not divide by {comm.size} ranks")
+    program, reference = P.CASES[case]
+    got = program(comm)
+    P.check(got, reference(comm.size)[comm.rank], **LOOSE.get(case, {}))
+
+
+def test_every_rank_raises_the_same_config_error(world: fs.World) -> None:
+    """A feature count the world size does not divide fails before any communication."""
+    n = world.comm.size
+    bad = 2 * n + 1 if n > 1 else None
+    if bad is None:
+        pytest.skip("every size divides by 1")
+    with pytest.raises(ConfigError, match=f"out_features={bad} is not divisible by the TP "
+                                          f"size {n}"):
+        tp.ColumnParallelLinear(4, bad, comm=world.comm)
+    world.comm.barrier()  # every rank got here: nobody was left in a collective

@@ -61,7 +61,8 @@ def vjp(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Tensor],
     for o, c in zip(outs, cts):
         c = c if isinstance(c, Tensor) else tensor(c, device=o.device, dtype=o.dtype)
         if c.shape != o.shape:
-            raise ShapeError(f"vjp: cotangent {c.shape} does not match output {o.shape}")
+            raise ShapeError(f"vjp: cotangent {c.shape} does not match output {o.shape}; "
+                             "give a cotangent of the output's shape")
         if not o.dtype.is_floating:
             raise DTypeError(f"vjp: output dtype {o.dtype} is not floating; cast it first")
         _add(ct, o.node, B.astype(c.node, o.dtype))

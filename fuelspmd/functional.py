@@ -84,7 +84,8 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
 def mse_loss(pred: Tensor, target: Tensor) -> Tensor:
     """mean((pred - target)²) over every element."""
     if pred.shape != target.shape:
-        raise ShapeError(f"mse_loss: pred {pred.shape} and target {target.shape} differ")
+        raise ShapeError(f"mse_loss: pred {pred.shape} and target {target.shape} differ; "
+                         "give a target of the prediction's shape")
     d = pred - target
     return (d * d).mean()
 

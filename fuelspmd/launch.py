@@ -26,6 +26,11 @@ non-zero within seconds instead of leaving the other ranks blocked in a collecti
 non-zero ``sys.exit`` aborts the same way; a rank killed by a signal is the launcher's to
 notice, and where the launcher does not (a plain ``srun``), the ranks on its node notice
 its death and abort (:class:`_PeerWatch`). docs/reliability.md has the measured matrix.
+
+With ``init(trace_dir=DIR)`` each rank's flight recorder (the last operations of
+``world.comm`` and every communicator split from it) is written to ``DIR/rank<R>.json`` on a
+collective timeout, a mismatch, or an abort by the crash handler (just before the abort),
+and ``fuelspmd trace DIR`` lines the ranks up.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -50,6 +56,7 @@ from fuelspmd.backend import Device, cuda_device_count
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.comm.guarded import GuardedTransport
+from fuelspmd.comm.recorder import Recorder
 from fuelspmd.errors import ConfigError, TransportUnavailableError
 from fuelspmd.transport import SelfTransport, Transport, load_plugin
 
@@ -122,6 +129,7 @@ class World:
     device: Device
     transport: Transport
     timeout: float
+    trace_dir: str | None = None  # where the flight recorder is dumped on a failure
     _hooks: tuple[Any, ...] | None = field(default=None, repr=False)
     _watch: _PeerWatch | None = field(default=None, repr=False)
     _comm: Communicator | None = field(default=None, repr=False)
@@ -132,12 +140,16 @@ class World:
 
         Made on first use, and that first use is collective (the guard splits a control
         channel off the transport): every rank must touch ``world.comm`` at the same point.
-        A size-1 world needs no guard.
+        A size-1 world needs no guard. With a ``trace_dir`` the guard keeps a flight recorder
+        (one ring shared with the communicators split from this one), dumped there on a
+        failure; without one it records nothing (a deque append and a timestamp per op).
         """
         if self._comm is None:
             seam: Transport = self.transport
             if self.size > 1:
-                seam = GuardedTransport(seam, timeout=self.timeout)
+                recorder = Recorder() if self.trace_dir is not None else None
+                seam = GuardedTransport(seam, timeout=self.timeout, recorder=recorder,
+                                        trace_dir=self.trace_dir)
             self._comm = Communicator(seam, device=self.device, timeout=self.timeout)
         return self._comm
 
@@ -145,6 +157,13 @@ class World:
     def num_nodes(self) -> int:
         """Count the distinct hosts in the job."""
         return len(set(self.nodes))
+
+    def dump_trace(self, *, reason: str = "") -> Path | None:
+        """Write this rank's flight recorder to ``trace_dir``; None without one (or no comm)."""
+        guard = getattr(self._comm.transport, "guard", None) if self._comm is not None else None
+        if guard is None or self.trace_dir is None:
+            return None
+        return guard.dump(reason=reason)
 
     def finalize(self) -> None:
         """Release the transport and the crash handler; a later ``init()`` starts afresh."""
@@ -171,13 +190,16 @@ _WORLD: World | None = None  # init() is idempotent: the process has one world
 
 
 def init(*, transport: str = "auto", device: str | Device = "auto",
-         timeout: float = 600.0) -> World:
+         timeout: float = 600.0, trace_dir: str | os.PathLike[str] | None = None) -> World:
     """Start (or return) this process's World.
 
     ``transport``: "auto" (MPI under a launcher, the size-1 transport otherwise), or a
     plugin name such as "mpi". ``device``: "auto" (``cuda:<local_rank % gpus>`` when cupy
     sees a GPU, else ``cpu:0``) or a device string. ``timeout``: seconds every blocking
-    wait may take before it raises CommTimeoutError.
+    wait may take before it raises CommTimeoutError. ``trace_dir``: a directory (created
+    when first written) for the flight-recorder dumps, one ``rank<R>.json`` per rank, written
+    on a collective timeout or mismatch and by the crash handler before it aborts; read
+    them with ``fuelspmd trace DIR``. None (the default) writes nothing.
     """
     global _WORLD
     if _WORLD is not None:
@@ -191,7 +213,7 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     _check_world(seam, info)
     world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
                   nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
-                  timeout=timeout)
+                  timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir))
     if seam.size > 1:
         # from here on an exception on one rank ends the job, so a check below that fails
         # on some ranks only cannot leave the others blocked
@@ -351,7 +373,7 @@ def _install_crash_handler(world: World) -> tuple[Any, ...]:
         lines = [f"{prefix}unhandled {kind.__name__}{where}; aborting all {world.size} ranks"]
         lines += [prefix + line for line in text.rstrip("\n").split("\n")]
         sys.stderr.write("\n".join(lines) + "\n")
-        _flush_then_abort(world, 1)
+        _flush_then_abort(world, 1, f"crash handler: unhandled {kind.__name__}{where}: {value}")
 
     def excepthook(kind: type[BaseException], value: BaseException,
                    tb: TracebackType | None) -> None:
@@ -371,7 +393,7 @@ def _install_crash_handler(world: World) -> tuple[Any, ...]:
         shown = "" if isinstance(code, int) else f" ({code})"
         sys.stderr.write(f"{prefix}sys.exit({code!r}) at {caller}: exit status "
                          f"{status}{shown}; aborting all {world.size} ranks\n")
-        _flush_then_abort(world, status)
+        _flush_then_abort(world, status, f"crash handler: sys.exit({code!r}) at {caller}")
 
     def exit_hook(code: object = None) -> NoReturn:
         frame = sys._getframe(1)
@@ -386,13 +408,21 @@ def _install_crash_handler(world: World) -> tuple[Any, ...]:
     return previous
 
 
-def _flush_then_abort(world: World, code: int) -> NoReturn:
-    """Flush the report, let the launcher forward it, then abort every rank.
+def _flush_then_abort(world: World, code: int, reason: str = "") -> NoReturn:
+    """Dump the flight recorder, flush the report, let the launcher forward it, then abort.
+
+    The dump comes first: the abort ends every rank, this one included, and a failed dump
+    (a full disk) is reported but must not keep the job from ending.
 
     Open MPI's mpirun drops what a rank wrote just before MPI_Abort when the abort wins
     the race with its output forwarding (seen once in 12 cells under load: the report was
     lost), so the rank pauses ``_REPORT_PAUSE_S`` first; it is ending anyway.
     """
+    try:
+        world.dump_trace(reason=reason or f"abort({code})")
+    except (OSError, RuntimeError) as e:  # RuntimeError: the ring moved under a thread's dump
+        sys.stderr.write(f"[rank {world.rank}] flight recorder dump to {world.trace_dir} "
+                         f"failed: {e}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(_REPORT_PAUSE_S)
@@ -516,4 +546,4 @@ class _PeerWatch:
             sys.stderr.write(f"[rank {world.rank}] {names} on this node died without "
                              f"finalizing and the launcher did not end the job; aborting "
                              f"all {world.size} ranks\n")
-            _flush_then_abort(world, 1)
+            _flush_then_abort(world, 1, f"peer watch: {names} died")

@@ -214,7 +214,8 @@ class Tensor:
             known = math.prod(d for d in dims if d != -1)
             if known == 0 or self.size % known:
                 raise ShapeError(f"reshape: cannot reshape {self.shape} ({self.size} elements)"
-                                 f" to {dims}; {self.size} is not a multiple of {known}")
+                                 f" to {dims}; {self.size} is not a multiple of {known}: the other "
+                                 "dims must divide the element count")
             dims = tuple(self.size // known if d == -1 else d for d in dims)
         return Tensor(B.reshape(self.node, dims))
 
@@ -251,7 +252,8 @@ def _basic_index(t: Tensor, key: tuple[Any, ...]) -> Tensor:
     if sum(1 for k in key if k is Ellipsis) > 1:
         raise ShapeError("an index can have only one '...'")
     if used > t.ndim:
-        raise ShapeError(f"too many indices ({used}) for a {t.ndim}-d tensor {t.shape}")
+        raise ShapeError(f"too many indices ({used}) for a {t.ndim}-d tensor {t.shape}; give "
+                         f"at most {t.ndim}")
     if Ellipsis in key:
         i = key.index(Ellipsis)
         key = key[:i] + (slice(None),) * (t.ndim - used) + key[i + 1:]

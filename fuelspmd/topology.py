@@ -205,7 +205,8 @@ class Topology:
         """The link between nodes ``a`` and ``b``: the slower of their NICs and the network."""
         links = [x for x in (a.nic, b.nic, self.network) if x is not None]
         if not links:
-            raise ConfigError(f"nodes {a.name!r} and {b.name!r} have no network between them")
+            raise ConfigError(f"nodes {a.name!r} and {b.name!r} have no network between them; "
+                              "declare network= or a nic on both")
         return Link("net", min(x.bandwidth for x in links), max(x.latency for x in links))
 
     def by_node(self, group: Sequence[int]) -> dict[int, list[int]]:
@@ -225,7 +226,8 @@ class Topology:
         n = self.nodes[node]
         net = self.net_link(n, n) if (n.nic or self.network) else None
         if net is None:
-            raise ConfigError(f"node {n.name!r} has no NIC and no network is declared")
+            raise ConfigError(f"node {n.name!r} has no NIC and no network is declared; give it "
+                              "a nic Link or declare network=")
         if n.nics == 0:
             return net.bandwidth / concurrent
         used = {n.nic_of(self._place(d).local) for d in members}
@@ -244,7 +246,8 @@ class Topology:
                               f"got {nodes} and {devices_per_node}")
         names = list(node_names) if node_names is not None else [f"node{i}" for i in range(nodes)]
         if len(names) != nodes:
-            raise ConfigError(f"{len(names)} node names given for {nodes} nodes")
+            raise ConfigError(f"{len(names)} node names given for {nodes} nodes; give one name "
+                              "per node")
         return cls([Node(nm, devices_per_node, fabric, nics, nic, accelerator, reduce_bandwidth)
                     for nm in names], network=network, name=name)
 

@@ -206,14 +206,14 @@ def check_buffers(op: str, size: int, send: Any, recv: Any | None = None, *,
         return
     if send.dtype != recv.dtype:
         raise DTypeError(f"{op}: send is {send.dtype} but recv is {recv.dtype}; use one dtype")
+    if send_factor > 1 and _flat(send) % send_factor:  # first: else "recv must have" is wrong
+        raise ShapeError(f"{op}: send has {_flat(send)} elements, not divisible by the "
+                         f"{send_factor} ranks; pad it to a multiple of {send_factor}")
     if _flat(recv) * send_factor != _flat(send) * recv_factor:
         want_recv = _flat(send) * recv_factor // send_factor
         raise ShapeError(
             f"{op}: send has {_flat(send)} elements and recv {_flat(recv)}, but with "
             f"{size} ranks recv must have {want_recv}; size recv accordingly")
-    if send_factor > 1 and _flat(send) % send_factor:
-        raise ShapeError(f"{op}: send has {_flat(send)} elements, not divisible by the "
-                         f"{send_factor} ranks; pad it to a multiple of {send_factor}")
 
 
 def check_peer(op: str, peer: int, size: int, rank: int | None = None, *,

@@ -111,8 +111,9 @@ def load_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         doc = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{p}: not a readable flight-recorder dump ({e})") from None
+        raise ConfigError(f"{p}: not a readable flight-recorder dump ({e}); pass a rank<R>.json "
+                          "written by Recorder.dump") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "records" not in doc:
         raise ConfigError(f"{p}: not a flight-recorder dump of format {FORMAT} "
-                          f"(written by Recorder.dump)")
+                          f"(written by Recorder.dump); pass the directory of such dumps")
     return doc

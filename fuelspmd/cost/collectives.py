@@ -234,11 +234,12 @@ class CostModel:
         members = list(group)
         if len(set(members)) != len(members) or not members:
             raise ConfigError(f"a group is a non-empty list of distinct device indices, "
-                              f"got {members}")
+                              f"got {members}; name each device once")
         for d in members:
             self.topology.local_index(d)  # raises ConfigError naming the range
         if collective == "send_recv" and len(members) != 2:
-            raise ConfigError(f"send_recv takes a group of [src, dst], got {members}")
+            raise ConfigError(f"send_recv takes a group of [src, dst], got {members}; "
+                              "give two devices")
         return members if collective == "send_recv" else sorted(members)
 
     # ----- algorithms --------------------------------------------------------------------

@@ -66,7 +66,8 @@ class Transformer:
             if getattr(self, name) < 1:
                 raise ConfigError(f"Transformer({name}={getattr(self, name)}): must be >= 1")
         if self.hidden % self.heads:
-            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+            raise ConfigError(f"hidden {self.hidden} is not divisible by heads {self.heads}; make "
+                              "hidden a multiple of heads")
 
     @property
     def params(self) -> float:

@@ -199,7 +199,7 @@ class KVCacheManager:
         Atomic: on error nothing changed.
         """
         if not isinstance(seq_id, (int, str)) or isinstance(seq_id, bool):
-            raise CacheUsageError(f"sequence ids are int or str, got {seq_id!r}")
+            raise CacheUsageError(f"sequence ids are int or str, got {seq_id!r}; use one of those")
         if seq_id in self._seqs:
             raise CacheUsageError(
                 f"sequence {seq_id!r} is already allocated ({self._seqs[seq_id].num_tokens} "
@@ -275,9 +275,10 @@ class KVCacheManager:
         """
         seq = self._get(parent)
         if not isinstance(child, (int, str)) or isinstance(child, bool):
-            raise CacheUsageError(f"sequence ids are int or str, got {child!r}")
+            raise CacheUsageError(f"sequence ids are int or str, got {child!r}; use one of those")
         if child in self._seqs:
-            raise CacheUsageError(f"cannot fork {parent!r} into {child!r}: it already exists")
+            raise CacheUsageError(f"cannot fork {parent!r} into {child!r}: it already exists; "
+                                  "free it first or pick a new id")
         for block in seq.blocks:
             self.pool.acquire(block)
         self._seqs[child] = _Sequence(
@@ -342,7 +343,7 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise CacheUsageError(
                 f"sequence {seq_id!r} is not allocated: it was freed already or never "
-                f"allocated ({len(self._seqs)} live sequences)"
+                f"allocated ({len(self._seqs)} live sequences); allocate it first"
             ) from None
 
     @staticmethod

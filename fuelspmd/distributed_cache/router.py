@@ -106,7 +106,8 @@ class PrefixRouter:
                         if not holders:
                             del self._holders[name]
             else:
-                raise CacheUsageError(f"not a KV cache event: {event!r}")
+                raise CacheUsageError(f"not a KV cache event: {event!r}; pass the events a "
+                                      "KVCacheManager reports")
 
     def num_held(self, replica: Hashable) -> int:
         """How many block names the index says ``replica`` holds."""

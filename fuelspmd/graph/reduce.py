@@ -25,7 +25,8 @@ def _reduce_rule(name: str) -> Any:
     def rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
         (x,), (axes, keepdims) = inputs, attrs
         if any(not 0 <= a < len(x.shape) for a in axes):
-            raise ShapeError(f"{name}: axes {axes} out of range for shape {x.shape}")
+            raise ShapeError(f"{name}: axes {axes} out of range for shape {x.shape}; valid "
+                             f"axes are 0..{len(x.shape) - 1}")
         if name == "max" and any(x.shape[a] == 0 for a in axes):
             raise ShapeError(f"max: cannot reduce an empty axis of shape {x.shape}")
         dt = int64 if name == "sum" and x.dtype.is_bool else x.dtype

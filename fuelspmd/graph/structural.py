@@ -38,7 +38,8 @@ def _transpose_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     (x,), (perm,) = inputs, attrs
     if sorted(perm) != list(range(len(x.shape))):
         raise ShapeError(f"transpose: axes {perm} are not a permutation of "
-                         f"{tuple(range(len(x.shape)))} for a tensor of shape {x.shape}")
+                         f"{tuple(range(len(x.shape)))} for a tensor of shape {x.shape}; give "
+                         "each axis once")
     return tuple(x.shape[p] for p in perm), x.dtype, x.device
 
 
@@ -56,7 +57,8 @@ register(Op("transpose", _transpose_rule, lambda be, attrs, x: be.xp.permute_dim
 def _broadcast_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     (x,), (shape,) = inputs, attrs
     if broadcast_shapes(x.shape, shape, op="broadcast_to") != tuple(shape):
-        raise ShapeError(f"broadcast_to: {x.shape} does not broadcast to {shape}")
+        raise ShapeError(f"broadcast_to: {x.shape} does not broadcast to {shape}; each axis "
+                         "must be equal or 1")
     return shape, x.dtype, x.device
 
 
@@ -74,7 +76,8 @@ def _slice_shape(slices: tuple[tuple[int, int, int], ...]) -> Shape:
 def _slice_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     (x,), (slices,) = inputs, attrs
     if len(slices) != len(x.shape):
-        raise ShapeError(f"slice: {len(slices)} slices for a {len(x.shape)}-d tensor {x.shape}")
+        raise ShapeError(f"slice: {len(slices)} slices for a {len(x.shape)}-d tensor {x.shape}; "
+                         "give one slice per axis")
     return _slice_shape(slices), x.dtype, x.device
 
 
@@ -89,7 +92,8 @@ register(Op("slice", _slice_rule, lambda be, attrs, x: x[_index(attrs[0])],
 def _unslice_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     (g,), (shape, slices) = inputs, attrs
     if _slice_shape(slices) != g.shape:
-        raise ShapeError(f"unslice: gradient {g.shape} does not fit slices {slices} of {shape}")
+        raise ShapeError(f"unslice: gradient {g.shape} does not fit slices {slices} of {shape}; "
+                         "give the gradient of the sliced shape")
     return shape, g.dtype, g.device
 
 
@@ -162,7 +166,7 @@ def _scatter_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     want = tuple(shape[:axis]) + idx.shape + tuple(shape[axis + 1:])
     if g.shape != want:
         raise ShapeError(f"scatter_add: values {g.shape} do not match {want} for indices "
-                         f"{idx.shape} into {shape} along axis {axis}")
+                         f"{idx.shape} into {shape} along axis {axis}; give values of shape {want}")
     return tuple(shape), g.dtype, g.device
 
 

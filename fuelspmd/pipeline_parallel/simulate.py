@@ -77,7 +77,8 @@ class Timeline:
         shifted_end = {a: float(end[a] - t0) for a in actions}
         bad = next((a for a in actions if shifted_end[a] < shifted_start[a]), None)
         if bad is not None:
-            raise ConfigError(f"action {bad} ends before it starts: {start[bad]} > {end[bad]}")
+            raise ConfigError(f"action {bad} ends before it starts: {start[bad]} > {end[bad]}; "
+                              "give each action start <= end")
         busy = [0.0] * schedule.stages
         for a in actions:
             busy[a.stage] += shifted_end[a] - shifted_start[a]

@@ -66,20 +66,22 @@ def _check_shape(s: Schedule) -> None:
     for r, acts in enumerate(s.actions):
         for n, a in enumerate(acts):
             if not isinstance(a, Action):
-                raise ScheduleError(f"rank {r} item {n} is {a!r}, not an Action")
+                raise ScheduleError(f"rank {r} item {n} is {a!r}, not an Action; build it with "
+                                    "Action(...) or Action.parse('1F3')")
             if a.stage != r:
                 raise ScheduleError(
-                    f"rank {r} lists action {a} (position {n}), which belongs to rank {a.stage}"
+                    f"rank {r} lists action {a} (position {n}), which belongs to rank {a.stage}; "
+                    f"move it to rank {a.stage}'s list"
                 )
             if a.microbatch >= s.microbatches:
                 raise ScheduleError(
                     f"rank {r} action {a} (position {n}): micro-batch {a.microbatch} is out "
-                    f"of range for {s.microbatches} micro-batches"
+                    f"of range for {s.microbatches} micro-batches (valid: 0..{s.microbatches - 1})"
                 )
             if a.chunk >= s.chunks:
                 raise ScheduleError(
                     f"rank {r} action {a} (position {n}): chunk {a.chunk} is out of range "
-                    f"for {s.chunks} chunks"
+                    f"for {s.chunks} chunks (valid: 0..{s.chunks - 1})"
                 )
 
 
@@ -87,13 +89,14 @@ def _check_coverage(s: Schedule) -> None:
     counts = Counter(a for acts in s.actions for a in acts)
     for a, n in counts.items():
         if n > 1:
-            raise ScheduleError(f"rank {a.stage} runs {a} {n} times; each action runs once")
+            raise ScheduleError(f"rank {a.stage} runs {a} {n} times; each action must run once")
     for v in range(s.virtual_stages):
         for i in range(s.microbatches):
             f, b, inp, w = (s.action_at(k, v, i) for k in ("F", "B", "I", "W"))  # type: ignore[arg-type]
             r = f.stage
             if f not in counts:
-                raise ScheduleError(f"rank {r} never runs the forward {f}")
+                raise ScheduleError(f"rank {r} never runs the forward {f}; every micro-batch needs "
+                                    "one forward per virtual stage")
             if b in counts and (inp in counts or w in counts):
                 raise ScheduleError(
                     f"rank {r} runs the full backward {b} and also a split part "

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 TIMEOUT = 20.0       # data waits
 GUARD_TIMEOUT = 8.0  # longer than the 5 s a mismatch may take: a mismatch is not a timeout
-GOOD = 120
+GOOD = 520  # the "after 500 good operations", for every field and pair case
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def _collective(g: GuardedTransport, bad: bool, field: str) -> None:
 def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
                                                field: str) -> None:
     _need2(world)
-    good_ops(gt, GOOD if field != "op" else 520)
+    good_ops(gt, GOOD)
     bad = world.size - 1
     every = outcome(world, lambda: _collective(gt, gt.rank == bad, field))
     assert_all_raised(every, field, f"rank {bad}")
@@ -179,7 +179,7 @@ def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: 
     _need2(world)
     if case == "peer" and world.size < 3:
         pytest.skip("a wrong peer needs a third rank")
-    good_ops(gt, 100)
+    good_ops(gt, GOOD)
     every = outcome(world, lambda: _p2p(gt, case))
     names = {"tag": ("tag", "rank 0", "rank 1"), "shape": ("shape", "rank 0", "rank 1"),
              "both_send": ("op", "send"), "peer": ("rank 1", "rank 2", "src=2"),

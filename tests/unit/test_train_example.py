@@ -1,0 +1,231 @@
+"""examples/train.py end to end: as a plain script, as a DeviceGroup (``--devices cpu:4``),
+and under a real ``mpiexec`` at tp 2 x pp 2 (every schedule) and dp 2 x pp 2 x tp 2.
+
+Each run passes ``--check`` (first-step loss and gradients against the whole model in one
+process, exit 1 on disagreement), and its printed first-step loss is compared with a plain
+numpy forward of the same weights and batch, so the example's own reference cannot share a
+bug with it unnoticed. A last test shows ``check`` rejects a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fuelspmd as fs
+from fuelspmd.comm import Communicator
+from fuelspmd.errors import ConfigError
+from fuelspmd.pipeline_parallel import PipelineExecutor, schedule
+from fuelspmd.transport import SelfTransport
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "train.py"
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+SUMMARY = re.compile(r"loss ([0-9.]+) -> ([0-9.]+) in (\d+) steps; ([0-9.]+) ms/step .*"
+                     r"measured bubble ([0-9.]+)")
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_example", TRAIN)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+T = _load()
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
+
+
+def run(args: list[str], *, n: int | None = None, deadline: float = 90.0) -> dict[str, Any]:
+    """Run the example (under ``mpiexec -n n`` when n is given) in its own process group,
+    killed at ``deadline``; return its exit code, output and parsed summary."""
+    cmd = [sys.executable, str(TRAIN), *args]
+    if n is not None:
+        assert MPIEXEC is not None
+        cmd = [MPIEXEC, "-n", str(n), *cmd]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_clean_env(), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} outlived its {deadline} s deadline:\n{out}\n{err}")
+    found = SUMMARY.search(out)
+    assert proc.returncode == 0 and found, f"{cmd} -> {proc.returncode}\n{out}\n{err}"
+    first, last, steps = float(found[1]), float(found[2]), int(found[3])
+    return {"out": out, "first": first, "last": last, "steps": steps,
+            "bubble": float(found[5]), "seconds": time.monotonic() - start}
+
+
+# ---- plain numpy reference of the first step's loss -------------------------------------
+def _ln(x: np.ndarray, g: np.ndarray, b: np.ndarray) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def numpy_loss(cfg: Any, seed: int, m: int, rows: int, dp: int,
+               w: dict[str, Any] | None = None) -> float:
+    """Mean next-token cross-entropy of the model with weights ``w`` (default: the initial
+    ones) over step 0's micro-batches of every replica, in float64 numpy (no fuelspmd)."""
+    w = T.full_weights(cfg, seed) if w is None else w
+    h, d = cfg.heads, cfg.hidden // cfg.heads
+    total = []
+    for r in range(dp):
+        xs, ys = T.microbatches(seed, 0, r, m, rows, cfg)
+        for ids, tgt in zip(xs, ys):
+            b, t = ids.shape
+            x = w["emb"][ids] + w["pos"]
+            for blk in w["blocks"]:
+                a = _ln(x, *blk["ln1"])
+                q, k, v = (((a @ blk["attn"][2 * i] + blk["attn"][2 * i + 1])
+                            .reshape(b, t, h, d).transpose(0, 2, 1, 3)) for i in range(3))
+                s = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d) + np.triu(
+                    np.full((t, t), -1e9), 1)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                ctx = (p @ v).transpose(0, 2, 1, 3).reshape(b, t, h * d)
+                x = x + ctx @ blk["attn"][6] + blk["attn"][7]
+                f1, b1, f2, b2 = blk["mlp"]
+                x = x + _gelu(_ln(x, *blk["ln2"]) @ f1 + b1) @ f2 + b2
+            z = (_ln(x, *w["lnf"]) @ w["head"][0] + w["head"][1]).reshape(b * t, -1)
+            z = z - z.max(1, keepdims=True)
+            logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+            total.append(-logp[np.arange(b * t), tgt].mean())
+    return float(np.mean(total))
+
+
+def _assert_trained(got: dict[str, Any], *, dp: int = 1, layers: int = 4, m: int = 4) -> None:
+    cfg = T.Config(layers=layers)
+    assert "check OK" in got["out"], got["out"]
+    want = numpy_loss(cfg, 0, m, 8, dp)
+    assert abs(got["first"] - want) < 1e-4 * want, (got["first"], want)
+    assert got["last"] < got["first"], got["out"]
+
+
+# ---- the runs ---------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_plain_script_trains_and_checks() -> None:
+    got = run(["--steps", "6", "--check", "--schedule", "gpipe"])
+    _assert_trained(got)
+    assert "mesh dp=1 pp=1 tp=1" in got["out"]
+    assert got["last"] < 0.75 * got["first"], got["out"]  # visibly falling
+    assert got["bubble"] == 0.0  # one stage: nothing to wait for
+
+
+@pytest.mark.timeout(120)
+def test_device_group_of_four_interleaved() -> None:
+    got = run(["--devices", "cpu:4", "--steps", "2", "--check", "--schedule", "interleaved"])
+    assert "mesh dp=1 pp=2 tp=2 (4 ranks" in got["out"]
+    _assert_trained(got)
+
+
+@needs_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_mpiexec_tp2_pp2(kind: str, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    chunks = 2 if kind == "interleaved" else 1
+    layers, m = 2 * chunks, 2 * chunks  # the smallest model each schedule can cut
+    got = run(["--tp", "2", "--pp", "2", "--steps", "2", "--check", "--schedule", kind,
+               "--trace", str(trace), "--layers", str(layers), "--microbatches", str(m)], n=4)
+    assert "mesh dp=1 pp=2 tp=2 (4 ranks" in got["out"]
+    _assert_trained(got, layers=layers, m=m)
+    assert 0.0 < got["bubble"] < 1.0  # two stages always wait for each other somewhat
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 2 * 2 * m * chunks  # F and B per mb
+
+
+@needs_mpi
+@pytest.mark.timeout(180)
+def test_mpiexec_dp2_pp2_tp2() -> None:
+    """The heaviest run (8 ranks on the machine's cores, about 10 s on 2 cores)."""
+    got = run(["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "2", "--check",
+               "--layers", "2", "--microbatches", "2"], n=8, deadline=150.0)
+    assert "mesh dp=2 pp=2 tp=2 (8 ranks" in got["out"]
+    _assert_trained(got, dp=2, layers=2, m=2)
+
+
+# ---- in process: the check's reference, the check failing, bad sizes ---------------------
+@pytest.mark.timeout(60)
+def test_reference_gradients_match_numpy_finite_differences() -> None:
+    """The one-process gradients ``--check`` compares against, entry by entry, against
+    central differences of the numpy loss (float64, a small batch)."""
+    args = T.parse(["--dtype", "float64", "--microbatches", "2", "--batch", "2", "--seed", "3"])
+    cfg = T.config(args)
+    loss, ref = T.reference(cfg, args, 1, "cpu:0")
+    w = T.full_weights(cfg, 3)
+    assert abs(loss - numpy_loss(cfg, 3, 2, 2, 1, w)) < 1e-10
+    blk0, blk1 = w["blocks"][0], w["blocks"][-1]
+    # (array in w, its gradient in the reference's grouping, an entry)
+    probes = [(w["emb"], ref[0][0], (3, 5)), (w["pos"], ref[0][1], (2, 1)),
+              (blk0["ln1"][0], ref[1][0], (4,)), (blk0["ln2"][1], ref[1][3], (7,)),
+              (blk0["attn"][0], ref[1][4], (4, 7)), (blk0["attn"][6], ref[1][10], (0, 1)),
+              (blk1["mlp"][0], ref[-2][12], (1, 2)), (blk1["mlp"][3], ref[-2][15], (6,)),
+              (w["lnf"][0], ref[-1][0], (9,)), (w["head"][0], ref[-1][2], (5, 9)),
+              (w["head"][1], ref[-1][3], (3,))]
+    for k, (arr, g, at) in enumerate(probes):
+        assert arr.shape == g.shape, (k, arr.shape, g.shape)
+        keep, eps = arr[at], 1e-6
+        arr[at] = keep + eps
+        up = numpy_loss(cfg, 3, 2, 2, 1, w)
+        arr[at] = keep - eps
+        down = numpy_loss(cfg, 3, 2, 2, 1, w)
+        arr[at] = keep
+        np.testing.assert_allclose(g[at], (up - down) / (2 * eps), rtol=1e-5, atol=1e-8,
+                                   err_msg=f"probe {k}")
+
+
+@pytest.mark.timeout(60)
+def test_check_rejects_a_wrong_gradient() -> None:
+    args = T.parse(["--steps", "1", "--check"])
+    cfg = T.config(args)
+    comm = Communicator(SelfTransport(), device="cpu:0")
+    mesh = fs.Mesh(comm)
+    st = T.Stage(cfg, T.full_weights(cfg, 0), 0, cfg.layers, first=True, last=True, comm=comm)
+    ex = PipelineExecutor(schedule("1f1b", 1, args.microbatches), comm=comm, stages=[st],
+                          params=[st.parameters()], loss=st.loss)
+    xs, ys = T.microbatches(0, 0, 0, args.microbatches, args.batch, cfg)
+    res = ex.step(xs, ys)
+    good = T.check(comm, mesh, [st], [0], res.grads, res.loss, cfg, args)
+    assert good["ok"], good["line"]
+    bad_grads = [list(res.grads[0])]
+    k = 5  # a block's attention weight
+    bad_grads[0][k] = bad_grads[0][k] * 1.01
+    bad = T.check(comm, mesh, [st], [0], bad_grads, res.loss, cfg, args)
+    assert not bad["ok"] and "FAILED" in bad["line"], bad["line"]
+    assert 5e-3 < bad["worst"] < 2e-2
+
+
+def test_layers_that_do_not_split_into_stages_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"3 layers .* 2 equal virtual stages"):
+        T.stage_layers(T.Config(layers=3), 2)
+    with pytest.raises(ConfigError, match="make the product 4"):
+        T.plan(4, argparse.Namespace(tp=2, pp=1, dp=1))

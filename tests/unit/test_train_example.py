@@ -165,12 +165,16 @@ def test_mpiexec_tp2_pp2(kind: str, tmp_path: Path) -> None:
 
 @needs_mpi
 @pytest.mark.timeout(180)
-def test_mpiexec_dp2_pp2_tp2() -> None:
-    """The heaviest run (8 ranks on the machine's cores, about 10 s on 2 cores)."""
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_mpiexec_dp2_pp2_tp2(kind: str) -> None:
+    """The heaviest runs (8 ranks on the machine's cores, about 10 s each on 2 cores)."""
+    chunks = 2 if kind == "interleaved" else 1
+    layers, m = 2 * chunks, 2 * chunks
     got = run(["--dp", "2", "--pp", "2", "--tp", "2", "--steps", "2", "--check",
-               "--layers", "2", "--microbatches", "2"], n=8, deadline=150.0)
+               "--schedule", kind, "--layers", str(layers), "--microbatches", str(m)],
+              n=8, deadline=150.0)
     assert "mesh dp=2 pp=2 tp=2 (8 ranks" in got["out"]
-    _assert_trained(got, dp=2, layers=2, m=2)
+    _assert_trained(got, dp=2, layers=layers, m=m)
 
 
 # ---- in process: the check's reference, the check failing, bad sizes ---------------------

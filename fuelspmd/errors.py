@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheCapacityError",
+    "CacheDivergenceError",
     "CacheError",
     "CacheUsageError",
     "CollectiveMismatchError",
@@ -82,3 +83,7 @@ class CacheCapacityError(CacheError, ValueError):
 class CacheUsageError(CacheError, ValueError):
     """A KV cache call that breaks the protocol: an unknown or already allocated sequence, a
     double free, a bad token count."""
+
+
+class CacheDivergenceError(CacheError, RuntimeError):
+    """Ranks that must hold identical block tables do not (a broken invariant)."""

@@ -11,6 +11,8 @@ made, so ranks that make the same calls hold the same block tables
 * :class:`KVCacheManager` — per-sequence block tables: allocate with prefix reuse, append,
   fork with copy-on-write, free, stats, digest, invariant 7.
 * :class:`PrefixRouter` — data-parallel request routing by cached prefix and load.
+* :class:`KVCacheCoordinator` — digest checks (or leader broadcast) so TP ranks agree.
+* :class:`PagedKVStore` — the pages themselves, as lazy tensors (imports the Tensor front).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fuelspmd.distributed_cache.block_pool import (
     BlockStored,
     KVEvent,
 )
+from fuelspmd.distributed_cache.coordinator import CacheDivergenceError, KVCacheCoordinator
 from fuelspmd.distributed_cache.manager import BlockCopy, CacheStats, KVCacheManager, SeqId
 from fuelspmd.distributed_cache.prefix import (
     BlockHash,
@@ -32,6 +35,7 @@ from fuelspmd.distributed_cache.prefix import (
     sha256_block_hash,
 )
 from fuelspmd.distributed_cache.router import PrefixRouter, Route
+from fuelspmd.distributed_cache.store import PagedKVStore
 
 __all__ = [
     "Block",
@@ -41,11 +45,14 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CacheDivergenceError",
     "CacheStats",
     "ExtraKey",
     "HashFn",
+    "KVCacheCoordinator",
     "KVCacheManager",
     "KVEvent",
+    "PagedKVStore",
     "PrefixRouter",
     "Route",
     "SeqId",

@@ -1,0 +1,190 @@
+"""PagedKVStore: the key/value pages of every layer as lazy tensors on one device.
+
+The bookkeeping (:class:`KVCacheManager`) decides *where* a token's keys and values live;
+this store holds them. Per layer it keeps two pages tensors of shape
+``[num_blocks, block_size, kv_heads_local, head_dim]`` (``kv_heads_local``: the heads this
+tensor-parallel rank owns), seen flat as ``num_blocks * block_size`` *slots*: token ``t``
+of a sequence with block table ``T`` lives in slot ``T[t // block_size] * block_size +
+t % block_size``.
+
+Every operation is a graph node, so nothing runs until the caller realises (one decode
+step is one graph: projections, page writes, gathers, attention and the TP all_reduce):
+
+* **write** ``pages' = where(written, scatter_add(values, slots), pages)``: a functional
+  update. ``written`` is a host-built mask of the slots, so a written slot takes its value
+  exactly (``0 + v``) and every other slot keeps its old one exactly; slots of one write
+  are distinct (a block table never repeats a block).
+* **gather** ``pages.take(slots)`` reads a sequence's keys through its block table.
+* **copy** carries out the manager's copy-on-write :class:`BlockCopy` instructions
+  (a gather of the source slots written into the destination slots), before new tokens
+  are written.
+
+The store replaces its page tensors with the new lazy ones after each write; realise
+:meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``) so the
+chain of updates does not grow across steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from fuelspmd import graph
+from fuelspmd.backend import Device
+from fuelspmd.backend import device as as_device
+from fuelspmd.distributed_cache.manager import BlockCopy
+from fuelspmd.dtypes import DType, int64, to_numpy
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
+from fuelspmd.functional import softmax
+from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
+
+__all__ = ["MASKED", "PagedKVStore"]
+
+MASKED = -1e9  # additive mask: exp underflows to exactly 0 in float32 and float64
+
+
+class PagedKVStore:
+    """Key and value pages for ``num_layers`` layers; see the module docstring."""
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, device: Device | str | None = None,
+                 dtype: DType | str = "float32") -> None:
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim)):
+            if int(value) < 1:
+                raise ConfigError(f"PagedKVStore({name}={value}): give a positive count")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.device = as_device(device)
+        self.dtype = as_dtype(dtype)
+        self.num_slots = num_blocks * block_size
+        shape = (self.num_slots, kv_heads, head_dim)
+        self._k = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
+        self._v = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
+
+    # ---- views ------------------------------------------------------------------------
+    def pages(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s (keys, values), each ``[blocks, block_size, heads, head_dim]``."""
+        self._layer(layer)
+        shape = (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)
+
+    def tensors(self) -> list[Tensor]:
+        """Every page tensor, for realising with a step's outputs."""
+        return [*self._k, *self._v]
+
+    def realize(self) -> None:
+        """Run every pending write (one graph)."""
+        realize(*self.tensors())
+
+    def nbytes(self) -> int:
+        """Bytes held by all pages (keys and values, every layer)."""
+        return 2 * self.num_layers * self.num_slots * self.kv_heads * self.head_dim * \
+            self.dtype.itemsize
+
+    def slots(self, table: Sequence[int], start: int, stop: int) -> np.ndarray:
+        """Flat slot indices of token positions ``start .. stop-1`` under block ``table``."""
+        bs = self.block_size
+        if not 0 <= start <= stop <= len(table) * bs:
+            raise CacheUsageError(
+                f"positions {start}..{stop - 1} do not fit a block table of {len(table)} "
+                f"blocks x {bs} slots = {len(table) * bs} tokens; append the tokens to the "
+                "manager before writing them to the store")
+        pos = np.arange(start, stop, dtype=np.int64)
+        blocks = np.asarray(table, dtype=np.int64)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise CacheUsageError(f"block table {list(table)} names blocks outside 0.."
+                                  f"{self.num_blocks - 1}; build the store with the manager's "
+                                  "num_blocks")
+        return blocks[pos // bs] * bs + pos % bs
+
+    # ---- graph operations ---------------------------------------------------------------
+    def write(self, layer: int, slots: np.ndarray, k: Tensor, v: Tensor) -> None:
+        """Write keys ``k`` and values ``v`` (``[n, heads, head_dim]``) into ``slots``."""
+        self._layer(layer)
+        idx = np.asarray(slots, dtype=np.int64).reshape(-1)
+        want = (idx.size, self.kv_heads, self.head_dim)
+        if k.shape != want or v.shape != want:
+            raise ShapeError(f"PagedKVStore.write: keys {k.shape} and values {v.shape} must "
+                             f"both be {want} for {idx.size} slots")
+        if np.unique(idx).size != idx.size:
+            raise RuntimeError(f"PagedKVStore.write: slots {idx.tolist()} repeat one; a block "
+                               "table never holds a block twice")
+        if idx.size == 0:
+            return
+        self._k[layer] = self._put(self._k[layer], idx, k)
+        self._v[layer] = self._put(self._v[layer], idx, v)
+
+    def gather(self, layer: int, slots: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Keys and values at ``slots`` (any int shape S): each ``S + [heads, head_dim]``."""
+        self._layer(layer)
+        idx = tensor(np.asarray(slots, dtype=np.int64), device=self.device, dtype=int64)
+        return self._k[layer].take(idx, 0), self._v[layer].take(idx, 0)
+
+    def copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Carry out copy-on-write instructions in every layer (before new tokens go in)."""
+        bs = self.block_size
+        for c in copies:
+            src = np.arange(c.num_tokens, dtype=np.int64) + int(c.src) * bs
+            dst = np.arange(c.num_tokens, dtype=np.int64) + int(c.dst) * bs
+            for layer in range(self.num_layers):
+                k, v = self.gather(layer, src)
+                self.write(layer, dst, k, v)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *,
+               tables: Sequence[Sequence[int]], starts: Sequence[int]) -> Tensor:
+        """Write the new tokens' k/v, then causal attention of ``q`` over each sequence.
+
+        ``q``, ``k``, ``v``: ``[batch, t, heads, head_dim]`` for the tokens at positions
+        ``starts[i] .. starts[i]+t-1`` of sequence i (t = 1 when decoding, the uncached
+        part of the prompt at prefill). Each query at position p attends to the sequence's
+        keys at positions 0..p, read through ``tables[i]``:
+        ``softmax(q K^T / sqrt(head_dim) + M) V``, M = ``MASKED`` past p and on the padding
+        that makes the sequences one length. Returns ``[batch, t, heads, head_dim]``.
+        """
+        b, t, h, d = q.shape
+        if (h, d) != (self.kv_heads, self.head_dim) or k.shape != q.shape or \
+                v.shape != q.shape:
+            raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape} "
+                             f"must all be (batch, t, {self.kv_heads}, {self.head_dim})")
+        if len(tables) != b or len(starts) != b:
+            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
+                             f"starts for a batch of {b}; give one of each per sequence")
+        new = np.concatenate([self.slots(tables[i], starts[i], starts[i] + t)
+                              for i in range(b)])
+        self.write(layer, new, k.reshape(b * t, h, d), v.reshape(b * t, h, d))
+        length = max(starts) + t
+        idx = np.zeros((b, length), dtype=np.int64)
+        mask = np.full((b, 1, t, length), MASKED)
+        for i in range(b):
+            n = starts[i] + t
+            idx[i, :n] = self.slots(tables[i], 0, n)
+            pos = starts[i] + np.arange(t)
+            mask[i, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
+        keys, values = self.gather(layer, idx)             # (b, L, h, d)
+        qh = q.transpose(0, 2, 1, 3)                        # (b, h, t, d)
+        kt = keys.transpose(0, 2, 3, 1)                     # (b, h, d, L)
+        scores = (qh @ kt) * (1.0 / math.sqrt(d))
+        m = tensor(mask.astype(to_numpy(self.dtype)), device=self.device, dtype=self.dtype)
+        p = softmax(scores + m, -1)
+        return (p @ values.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise CacheUsageError(f"layer {layer} is outside 0..{self.num_layers - 1}; the "
+                                  f"store was built with num_layers={self.num_layers}")
+
+    def _put(self, pages: Tensor, idx: np.ndarray, values: Tensor) -> Tensor:
+        mask = np.zeros((self.num_slots, 1, 1), dtype=bool)
+        mask[idx] = True
+        where_t = tensor(mask, device=self.device)
+        slots = tensor(idx, device=self.device, dtype=int64)
+        spread = Tensor(graph.make("scatter_add", (values.astype(self.dtype).node, slots.node),
+                                   (0, pages.shape)))
+        return where(where_t, spread, pages)
+

@@ -1,0 +1,87 @@
+"""KVCacheCoordinator over the MPI world, at any world size.
+
+Run on every rank: ``mpiexec -n N python -m pytest --with-mpi -q
+tests/mpi/test_kvcache_coordinator.py`` (N = 1..4). The same checks run on two devices of
+one process in tests/unit/test_kvcache_store.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fuelspmd as fs
+from fuelspmd.distributed_cache import CacheDivergenceError, KVCacheCoordinator, KVCacheManager
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def world() -> fs.World:
+    return fs.init(timeout=20.0)
+
+
+def _ops(m: KVCacheManager | KVCacheCoordinator, salt: int) -> None:
+    m.allocate(0, list(range(10)))
+    m.allocate("req-1", [*list(range(8)), salt, 99])
+    m.append(0, [3, 4, 5])
+    m.fork("req-1", "child")
+    m.append("child", [7])
+    m.free(0)
+
+
+def test_same_calls_agree_at_every_check(world: fs.World) -> None:
+    m = KVCacheManager(32, BS)
+    coord = KVCacheCoordinator(m, comm=world.comm, every=3)
+    _ops(coord, salt=0)
+    assert [coord.step() for _ in range(6)] == [False, False, True] * 2
+    coord.check()
+    assert coord.checks == 3
+
+
+def test_divergence_raises_on_every_rank_naming_ranks_and_sequence(world: fs.World) -> None:
+    comm = world.comm
+    if comm.size == 1:
+        pytest.skip("one rank cannot diverge")
+    m = KVCacheManager(32, BS)
+    coord = KVCacheCoordinator(m, comm=comm, every=1)
+    _ops(m, salt=0)
+    # the last rank appends one token more to "req-1" than the others
+    m.append("req-1", [1, 2, 3] if comm.rank == comm.size - 1 else [1, 2])
+    with pytest.raises(CacheDivergenceError) as info:
+        coord.step()
+    msg = str(info.value)
+    assert f"ranks [{comm.size - 1}] disagree with rank 0 of {comm.size}" in msg
+    assert "first differing sequence is 'req-1'" in msg
+    comm.barrier()  # every rank got here: the report left nobody in a collective
+
+
+def test_pool_order_divergence_is_reported(world: fs.World) -> None:
+    comm = world.comm
+    if comm.size == 1:
+        pytest.skip("one rank cannot diverge")
+    m = KVCacheManager(32, BS)
+    coord = KVCacheCoordinator(m, comm=comm, every=1)
+    # same tables at the end, but rank 0 freed its two sequences in the other order
+    m.allocate("a", 8)
+    m.allocate("b", 8)
+    for s in (("a", "b") if comm.rank == 0 else ("b", "a")):
+        m.free(s)
+    with pytest.raises(CacheDivergenceError, match="queue order differs"):
+        coord.check()
+    comm.barrier()
+
+
+def test_leader_mode_gives_every_rank_rank_0s_decisions(world: fs.World) -> None:
+    comm = world.comm
+    m = KVCacheManager(32, BS)
+    coord = KVCacheCoordinator(m, comm=comm, every=1, mode="leader")
+    _ops(coord, salt=comm.rank)           # each rank is fed its own prompt
+    coord.allocate(f"r{comm.rank}", 5)    # and its own sequence name
+    coord.evict(comm.rank + 1)
+    coord.step()                          # the digest check passes
+    ref = KVCacheManager(32, BS)
+    _ops(ref, salt=0)
+    ref.allocate("r0", 5)
+    ref.evict(1)
+    assert m.block_tables() == ref.block_tables() and m.digest() == ref.digest()

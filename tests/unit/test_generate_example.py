@@ -1,0 +1,123 @@
+"""examples/generate.py: tokens EQUAL to a no-cache numpy reference at TP 1 and 2, as devices
+of one process and as processes under a real ``mpiexec -n 2``, and the prefix cache saving
+exactly the shared blocks' prefill work."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--requests", "4", "--prefix", "40", "--suffix", "5", "--new-tokens", "6",
+         "--block-size", "8", "--hidden", "32", "--heads", "4", "--ffn", "64",
+         "--check-every", "1"]
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def gen() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("generate_example", ROOT / "examples" /
+                                                  "generate.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(gen: ModuleType, capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    rc = gen.main([*SMALL, *argv])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == (0 if out.get("check", "EQUAL") == "EQUAL" else 1)
+    return out
+
+
+@pytest.mark.parametrize(("devices", "mode"), [("cpu:1", "check"), ("cpu:2", "check"),
+                                              ("cpu:2", "leader")])
+def test_tokens_equal_the_no_cache_reference(gen: ModuleType, devices: str, mode: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(gen, capsys, "--devices", devices, "--check", "--coordinate", mode)
+    assert out["check"] == "EQUAL" and out["tp"] == int(devices[-1])
+    assert len(out["tokens"]) == 4 and all(len(t) == 6 for t in out["tokens"])
+    assert len({tuple(t) for t in out["tokens"]}) > 1  # the requests do not all agree
+
+
+def test_prefix_cache_saves_the_shared_blocks(gen: ModuleType,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    on = _run(gen, capsys, "--devices", "cpu:2")
+    off = _run(gen, capsys, "--devices", "cpu:2", "--no-prefix-cache")
+    prompt = 40 + 5
+    # the first request computes everything; the others reuse the 5 full shared blocks
+    assert off["prefill_tokens_computed"] == 4 * prompt
+    assert on["prefill_tokens_computed"] == prompt + 3 * (prompt - 40)
+    assert on["hit_rate"] == pytest.approx(3 * 40 / (4 * prompt), abs=1e-4)
+    assert off["hit_rate"] == 0.0
+    assert on["blocks_used"] == off["blocks_used"] - 3 * 5
+    assert on["tokens"] == off["tokens"]
+
+
+def test_forked_samples_copy_on_write_and_stay_equal(gen: ModuleType,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(gen, capsys, "--devices", "cpu:2", "--check", "--samples", "2")
+    assert out["check"] == "EQUAL" and len(out["tokens"]) == 8
+    assert out["copies"] == 4  # one per request: the first append to its shared partial block
+
+
+def test_skipping_the_copy_on_write_is_caught(gen: ModuleType, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the copies a fork reads zeros for its prompt's last tokens: not EQUAL."""
+    monkeypatch.setattr(gen.PagedKVStore, "copy", lambda self, copies: None)
+    out = _run(gen, capsys, "--devices", "cpu:1", "--check", "--samples", "2")
+    assert out["check"] == "DIFFERENT"
+
+
+def test_reference_detects_a_different_model(gen: ModuleType) -> None:
+    """The comparison can fail: another seed's weights give other tokens."""
+    args = gen.parse(SMALL)
+    other = gen.parse([*SMALL, "--seed", "1"])
+    assert gen.reference_tokens(args) != gen.reference_tokens(other)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+def test_two_processes_under_mpiexec() -> None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, str(ROOT / "examples" /
+                             "generate.py"), *SMALL, "--check"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpiexec -n 2 generate.py outlived 60 s:\n{out}\n{err}")
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 reports
+    assert lines[0]["tp"] == 2 and lines[0]["check"] == "EQUAL"
+
+
+def test_bench_kvcache_reports_the_expected_prefill_saving(capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    from fuelspmd.bench import kvcache
+
+    rc = kvcache.main(["--requests", "4", "--prefix", "64", "--suffix", "4", "--block-size",
+                       "16", "--layers", "1", "--hidden", "16", "--heads", "2", "--rounds", "2",
+                       "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["cache"]: r for r in res["rows"]}
+    assert rows["off"]["computed"] == rows["off"]["expected"] == 4 * 68
+    assert rows["on"]["computed"] == rows["on"]["expected"] == 68 + 3 * 4
+    assert rows["on"]["hit_rate"] == pytest.approx(3 * 64 / (4 * 68))
+    assert res["computed_share"] == pytest.approx(80 / 272)
+    assert res["ttft_speedup"] > 0

@@ -11,7 +11,10 @@ a barrier and timed on the slowest rank:
 - ``lazy``: the same all_reduces built on leaves (made once, as parameters are) on a
   Communicator without bucketing and realised together (one graph, ``count`` calls);
 - ``bucketed``: the same on a Communicator with ``bucket_bytes`` set: the planner fuses
-  them into buckets (one transport call per bucket) and splits the results back out.
+  them into buckets (one transport call per bucket) and splits the results back out;
+- ``floor``: raw ``Allreduce(IN_PLACE)`` calls on buffers already holding whole buckets
+  (no concatenation, no split, no graph): the best any bucketing can do on this machine,
+  as the transport's bandwidth at the bucket size sets it.
 
 ``ratio`` = candidate time / mpi4py time, the median of the paired per-round ratios
 (target for ``bucketed``: at most 0.5). Results are checked against numpy once.
@@ -60,6 +63,13 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
         for b in bufs:
             mpi.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
 
+    per = max(1, bucket // (n * 4)) if bucket > 0 else count  # all_reduces per bucket
+    whole = [np.zeros(n * min(per, count - k), np.float32) for k in range(0, count, per)]
+
+    def floor() -> None:
+        for b in whole:
+            mpi.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
+
     leaves = [tensor(b) for b in bufs]  # made once, as parameters are
 
     def lazy(comm: Communicator) -> Callable[[], None]:
@@ -73,7 +83,7 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
         raise RuntimeError("bucketed all_reduce gave a wrong result")
     for b in bufs:
         b[...] = 0.0  # zeros stay zeros under raw in-place sums, round after round
-    cands = {"mpi4py": raw, "lazy": lazy(plain), "bucketed": lazy(fused)}
+    cands = {"mpi4py": raw, "lazy": lazy(plain), "bucketed": lazy(fused), "floor": floor}
     for fn in cands.values():
         fn()
 
@@ -121,7 +131,7 @@ def main(argv: list[str]) -> int:
         print_json({"bench": "bucketing", **res})
         return 0
     rows = [{"what": k, "ms": res[f"{k}_ms"], "ratio": res[f"{k}_ratio"]}
-            for k in ("mpi4py", "lazy", "bucketed")]
+            for k in ("mpi4py", "lazy", "bucketed", "floor")]
     print_table(f"{res['count']} all_reduces of {res['bytes']} B, {res['ranks']} ranks, "
                 f"bucket {res['bucket_bytes']} B (median of {res['rounds']} rounds, slowest "
                 "rank; ratio = time / mpi4py time)",

@@ -11,14 +11,18 @@ rounded down to a multiple of the rank count.
 
 A transport call is issue + ``wait()``. ``--baseline mpi4py`` runs raw mpi4py buffer calls
 (``Allreduce(MPI.IN_PLACE, buf)``, ``Allgather``, ``Reduce_scatter_block``, ``Bcast``,
-``Alltoall``) on the same buffers, interleaved with the transport's round by round (A, B,
-A, B): ``ratio`` is transport busbw / mpi4py busbw (the median over rounds of the paired
-ratio), ``+us`` the latency the transport adds (difference of the medians).
+``Alltoall``) on buffers of the same size (each candidate has its own, so none finds its
+data in cache because another just touched it), interleaved with the transport's round by
+round (A, B, A, B): ``ratio`` is transport busbw / mpi4py busbw (the median over rounds of
+the paired ratio), ``+us`` the latency the transport adds (difference of the medians).
 A round starts at a barrier and times k back-to-back calls (k chosen, the same on every
 rank, so a round lasts about 2 ms); a round's time is the slowest rank's, and a cell is
 the median over rounds. Candidates are a name -> call table; ``lazy`` is the lazy
-Communicator over the same transport, a collective built on a leaf and realised per call
-(``lazy ratio`` = lazy busbw / mpi4py busbw, ``lazy +us`` its added latency).
+Communicator over the same transport, a collective built and realised per call (``lazy
+ratio`` = lazy busbw / mpi4py busbw, ``lazy +us`` its added latency). For all_reduce and
+broadcast the lazy program gives up its input as the in-place baseline does
+(``x = comm.all_reduce(x)``), so its buffer is donated and nothing is copied; a program
+that keeps its input pays one copy of it.
 """
 
 from __future__ import annotations
@@ -89,15 +93,25 @@ def _transport_call(t: Transport, op: str, bufs: tuple[np.ndarray, ...], rop: Re
 
 def _lazy_call(comm: Communicator, op: str, bufs: tuple[np.ndarray, ...], rop: ReduceOp
                ) -> Call:
-    """Build the lazy collective on a leaf holding the send buffer (made once, as a
-    parameter is) and realise it, each call: the whole cost a program sees (building the
-    node, realising it, the copy an in-place op needs so the leaf's array is not
-    overwritten, the transport call)."""
+    """Build the lazy collective and realise it, each call: the whole cost a program sees
+    (building the node, realising it, the transport call).
+
+    The in-place ops (all_reduce, broadcast) are timed as the raw baseline runs them: the
+    program gives up its input (``x = comm.all_reduce(x)``), so the realise may donate the
+    input's buffer and the call copies nothing, as ``Allreduce(IN_PLACE)`` copies nothing.
+    The other ops read a leaf made once, as a parameter is.
+    """
+    if op in ("all_reduce", "broadcast"):
+        state = [tensor(bufs[0].copy(), device=comm.device)]  # the program's own array
+
+        def consume() -> None:
+            x = state.pop()
+            state.append(comm.all_reduce(x, rop) if op == "all_reduce" else
+                         comm.broadcast(x, 0))
+            del x
+            state[0].realize()
+        return consume
     x = tensor(bufs[0], device=comm.device)
-    if op == "all_reduce":
-        return lambda: comm.all_reduce(x, rop).realize()
-    if op == "broadcast":
-        return lambda: comm.broadcast(x, 0).realize()
     if op == "all_gather":
         return lambda: comm.all_gather(x, 0).realize()
     if op == "reduce_scatter":
@@ -174,12 +188,14 @@ def run(t: Transport, *, ops: list[str], sizes: list[int], dtype: str, reduce_op
     for op in ops:
         for size in sizes:
             count = max(n, size // dt.itemsize // n * n)
-            bufs = _buffers(op, count, n, dt)
-            calls = {"fuelspmd": _transport_call(t, op, bufs, reduce_op)}
+            # each candidate its own buffers: none finds its data in cache because another
+            # candidate just touched it (at 4 MiB that alone was worth 10-25% here)
+            calls = {"fuelspmd": _transport_call(t, op, _buffers(op, count, n, dt), reduce_op)}
             if lazy is not None:
-                calls["lazy"] = _lazy_call(lazy, op, bufs, reduce_op)
+                calls["lazy"] = _lazy_call(lazy, op, _buffers(op, count, n, dt), reduce_op)
             if comm is not None:
-                calls["mpi4py"] = _mpi4py_call(comm, op, bufs, reduce_op)
+                calls["mpi4py"] = _mpi4py_call(comm, op, _buffers(op, count, n, dt),
+                                               reduce_op)
             per_round = _measure(t, calls, sync, warmup=warmup, rounds=rounds)
             secs = {name: median(ts) for name, ts in per_round.items()}
             nbytes = count * dt.itemsize

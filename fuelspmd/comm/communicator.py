@@ -12,7 +12,10 @@ nodes only; the transport is called when the graph runs. The rules:
   they are issued. The communicator keeps the tail of its chain, so :meth:`flush`,
   :meth:`barrier` and :meth:`split` can issue everything built so far.
 - **No clobbering.** A transport op that writes in place gets a contiguous copy of its
-  input, unless the planner proved the input dies at this step (``donate``).
+  input, unless the planner proved the input dies at this step (``donate``), or, for one
+  collective realised on its own, the input is a leaf that nothing else can see (no
+  Tensor, array, view or pending node refers to it: ``x = comm.all_reduce(x)`` on
+  ``fs.tensor(temporary)``), checked by reference counts in the executor.
 - **Bucketing (opt-in).** With ``bucket_bytes > 0``, all_reduces of one communicator
   with the same reduce op and dtype that the planner finds ready together in one realise
   are fused into one transport call of at most ``bucket_bytes`` and split back out: the
@@ -46,7 +49,8 @@ from fuelspmd.backend import device as as_device
 from fuelspmd.dtypes import DType, Shape, normalize_axis
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, DeviceError, ShapeError
-from fuelspmd.graph.node import Node, canonical, const, make
+from fuelspmd.graph.node import Node, canonical, const
+from fuelspmd.graph.op import get_op
 from fuelspmd.tensor import Tensor, realize
 from fuelspmd.transport import ReduceOp, Transport, check_peer
 
@@ -56,6 +60,7 @@ __all__ = ["Communicator"]
 
 TAG_LIMIT = 32768  # MPI guarantees tags below 32767; message counts wrap under it
 BUCKET_BYTES = 4 << 20  # a good bucket size when bucketing is turned on
+_REDUCE_OPS = {o.value: o for o in ReduceOp}  # 'sum' -> ReduceOp.SUM without Enum's lookup
 
 
 class Communicator:
@@ -92,16 +97,26 @@ class Communicator:
     def _check(self, t: Tensor, op: str) -> Node:
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: expected a fuelspmd Tensor, got {type(t).__name__}")
-        if t.device != self.device:
+        node = t.node
+        if node.device is not self.device and node.device != self.device:  # canonical: `is`
             raise DeviceError(f"{op}: the tensor is on {t.device} but this communicator's "
                               f"device is {self.device}; move it with .to('{self.device}')")
-        return t.node
+        return node
 
     def _node(self, name: str, inputs: tuple[Node, ...], params: tuple[Any, ...]) -> Node:
-        """Build collective ``name`` chained after the previous unrealised one."""
+        """Build collective ``name`` chained after the previous unrealised one.
+
+        The node is built directly, not through ``graph.node.make``: a collective is never
+        hash-consed (effectful), and every input is on this communicator's device (the data
+        input was checked by :meth:`_check`, the tail was built here), so only the shape
+        rule is left to run. This is the per-collective cost of a step's gradients.
+        """
         tail = self._tail
         ins = inputs + ((tail,) if tail is not None and tail.buffer is None else ())
-        node = make(name, ins, (self, len(inputs), *params))
+        op = get_op(name)
+        attrs = (self, len(inputs), *params)
+        shape, dt, dev = op.rule(ins, attrs)
+        node = Node(op, ins, attrs, tuple(shape), dt, dev)
         self._tail = node
         self._built += 1
         return node
@@ -134,7 +149,10 @@ class Communicator:
     # ---- collectives ------------------------------------------------------------------
     def all_reduce(self, t: Tensor, op: ReduceOp | str = "sum") -> Tensor:
         """Return ``op`` over ranks of ``t`` (every rank gets the result)."""
-        node, rop = self._check(t, "all_reduce"), ReduceOp.parse(op)
+        node = self._check(t, "all_reduce")
+        rop = op if op.__class__ is ReduceOp else _REDUCE_OPS.get(op) if type(op) is str else None
+        if rop is None:
+            rop = ReduceOp.parse(op)
         if self.size == 1:
             return t
         return Tensor(self._node("comm.all_reduce", (node,), (rop,)))

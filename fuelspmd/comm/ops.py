@@ -8,14 +8,14 @@ the value. The planner may put other steps between the two (a collective started
 as its input is ready, waited where its result is first needed); ``kernel`` is both at once.
 
 Buffers: an in-place op (all_reduce, broadcast) gets a contiguous copy of its input unless
-the planner proved the input dies at this step (``donate``); ops that only read their input
+the planner proved the input dies at this step, or the executor found it a leaf nothing else
+refers to (``donate``); ops that only read their input
 use it as it is when contiguous. ``strict`` (array-api-strict) arrays are staged through
 host numpy; cupy arrays go to the transport as they are.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -160,8 +160,10 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
     in-place op needs anyway), reduce, and hand out views of the result."""
     comm, rop = attrs[0], attrs[2]
     lib = _lib(be)
-    parts = [_host(be, x).reshape(-1) for x in xs]
-    flat = _spare(comm, (sum(int(p.size) for p in parts),), parts[0].dtype) if lib is np else None
+    parts = [x.reshape(-1) for x in xs] if be.kind == "cpu" else [
+        _host(be, x).reshape(-1) for x in xs]
+    sizes = [p.size for p in parts]
+    flat = _spare(comm, (sum(sizes),), parts[0].dtype) if lib is np else None
     flat = lib.concatenate(parts, out=flat)
     if comm._shared is not None and be.kind != "cuda":
         flat, work = comm._shared(flat, rop, comm.timeout), DONE
@@ -170,9 +172,10 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
 
     def split() -> list[Any]:
         outs, lo = [], 0
-        for x in xs:
-            n = math.prod(x.shape)
-            outs.append(_back(be, flat[lo:lo + n].reshape(x.shape)))
+        strict = be.kind == "strict"
+        for x, n in zip(xs, sizes):
+            part = flat[lo:lo + n].reshape(x.shape)
+            outs.append(_back(be, part) if strict else part)
             lo += n
         return outs
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -57,6 +58,46 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+class _Key:
+    """A plan-cache key whose hash is computed once.
+
+    A key is the lowered graph, one signature per value; a tuple recomputes its hash on
+    every lookup (the cache looks up, then moves the entry to the end), and a signature's
+    op and device hash in Python. The hash here is over the cheap part of each signature
+    (its input indices and shape): equal keys still have equal hashes, so the cache stays
+    exact (equality compares the whole key), and keys that differ only in ops or attributes
+    merely share a bucket.
+    """
+
+    __slots__ = ("h", "key")
+
+    def __init__(self, sigs: list[Any], outs: tuple[int, ...]) -> None:
+        self.key = (tuple(sigs), outs)
+        self.h = hash((tuple([(s[1], s[3]) for s in sigs]), outs))
+
+    def __hash__(self) -> int:
+        return self.h
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Key) and self.h == other.h
+                                 and self.key == other.key)
+
+
+def _dead_leaf(x: Node) -> bool:
+    """Whether realised ``x`` is seen by nothing but the one node about to consume it.
+
+    The reference counts show only that node's input tuple for ``x`` and only ``x`` for
+    its buffer (besides this frame and the count's own argument): no Tensor, no other
+    node, no caller's variable and no view holds either. Such a buffer may be overwritten
+    by an in-place collective (its result takes the buffer over), which saves the copy of
+    the input. Only a numpy array that owns its memory qualifies (a view would share it
+    with its base).
+    """
+    buf = x.buffer
+    return (sys.getrefcount(x) <= 3 and type(buf) is np.ndarray and buf.base is None
+            and sys.getrefcount(buf) <= 3 and buf.flags.writeable and buf.flags.c_contiguous)
 
 
 class _Memory:
@@ -121,7 +162,7 @@ class Executor:
                 if extra:
                     targets.extend(extra)
                     sigs, leaves, outs = lower(targets)
-            key = (tuple(sigs), outs)
+            key = _Key(sigs, outs)
             plan = self.cache.get(key)
             if plan is None:
                 ir, new_outs, leaf_pos = optimise(sigs, outs)
@@ -142,9 +183,16 @@ class Executor:
             if t.op.effectful and t.op.kernel is not None and all(
                     x.buffer is not None for x in t.inputs):
                 # one collective over realised values (a parameter's all_reduce): nothing to
-                # optimise or plan, and its inputs belong to others, so nothing to donate
+                # optimise or plan; its input is donated only when no one else can see it
                 be = get_backend(t.device.kind)
-                mark_realised(t, t.op.kernel(be, t.attrs, *[x.buffer for x in t.inputs]))
+                ins = t.inputs
+                donate = bool(t.op.inplace_ok) and _dead_leaf(ins[0])
+                args = [x.buffer for x in ins]
+                del targets, ins
+                out = (t.op.kernel(be, t.attrs, *args, donate=True) if donate
+                       else t.op.kernel(be, t.attrs, *args))
+                del args
+                mark_realised(t, out)
                 return
         plan, leaves = self.plan(targets)
         arrays = self.run(plan, leaves)

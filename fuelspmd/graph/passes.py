@@ -55,27 +55,38 @@ def lower(targets: list[Node], effects: list[Node] | None = None
     sigs: list[Sig] = []
     leaves: list[Node] = []
     leaf_op = get_op("leaf")
+    add_sig, add_leaf = sigs.append, leaves.append
+    # The hot loop of every realise, plan-cache hit or not: a node sits on the stack until
+    # its inputs are indexed, then is emitted (depth-first post-order, first input first).
+    # Plain pushes and list comprehensions: no per-node tuples, no generators.
     for target in targets:
         if id(target) in index:
             continue
-        stack: list[tuple[Node, bool]] = [(target, False)]
+        stack: list[Node] = [target]
+        pop = stack.pop
         while stack:
-            node, expanded = stack.pop()
+            node = stack[-1]
             if id(node) in index:
+                pop()
                 continue
             if node.buffer is not None:
+                pop()
                 index[id(node)] = len(sigs)
-                sigs.append((leaf_op, (), (), node.shape, node.dtype, node.device))
-                leaves.append(node)
-            elif expanded:
-                if effects is not None and node.op.effectful:
-                    effects.append(node)
-                index[id(node)] = len(sigs)
-                sigs.append((node.op, tuple(index[id(x)] for x in node.inputs), node.attrs,
-                             node.shape, node.dtype, node.device))
-            else:
-                stack.append((node, True))
-                stack.extend((x, False) for x in reversed(node.inputs) if id(x) not in index)
+                add_sig((leaf_op, (), (), node.shape, node.dtype, node.device))
+                add_leaf(node)
+                continue
+            ins = node.inputs
+            waiting = [x for x in ins if id(x) not in index]
+            if waiting:
+                waiting.reverse()
+                stack += waiting
+                continue
+            pop()
+            if effects is not None and node.op.effectful:
+                effects.append(node)
+            index[id(node)] = len(sigs)
+            add_sig((node.op, tuple([index[id(x)] for x in ins]), node.attrs, node.shape,
+                     node.dtype, node.device))
     return sigs, leaves, tuple(index[id(t)] for t in targets)
 
 

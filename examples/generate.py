@@ -239,11 +239,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.devices is not None:
-        kind, _, count = args.devices.partition(":")
-        if "," not in args.devices and kind == "cpu" and count.isdigit():
-            group = fs.DeviceGroup.cpu(int(count), timeout=60.0)
-        else:
-            group = fs.DeviceGroup(args.devices.split(","), timeout=60.0)
+        group = fs.DeviceGroup.parse(args.devices, timeout=60.0)
         result = group.run(generate, [args] * group.size)[0]
     else:
         world = fs.init(timeout=60.0)

@@ -64,11 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1.0)
     args = parser.parse_args(argv)
     if args.devices is not None:
-        kind, _, count = args.devices.partition(":")
-        if "," not in args.devices and kind == "cpu" and count.isdigit():
-            group = fs.DeviceGroup.cpu(int(count), timeout=60.0)
-        else:
-            group = fs.DeviceGroup(args.devices.split(","), timeout=60.0)
+        group = fs.DeviceGroup.parse(args.devices, timeout=60.0)
         losses = group.run(train, [args] * group.size)[0]
     else:
         losses = train(fs.init(timeout=60.0).comm, args)

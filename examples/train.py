@@ -427,12 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the training; exit status 1 when ``--check`` finds a disagreement."""
     args = parse(argv)
     if args.devices is not None:
-        kind, _, count = args.devices.partition(":")
-        if "," not in args.devices and count.isdigit():
-            group = fs.DeviceGroup([f"{kind}:{i}" for i in range(int(count))],
-                                   timeout=args.timeout)
-        else:
-            group = fs.DeviceGroup(args.devices.split(","), timeout=args.timeout)
+        group = fs.DeviceGroup.parse(args.devices, timeout=args.timeout)
         with threadpool_limits(limits=1, user_api="blas"):
             out = group.run(train, [args] * group.size)[0]
     else:

@@ -57,6 +57,21 @@ class DeviceGroup:
             raise ConfigError(f"DeviceGroup.cpu({n}): give at least 1 device")
         return cls([f"cpu:{i}" for i in range(n)], timeout=timeout, bucket_bytes=bucket_bytes)
 
+    @classmethod
+    def parse(cls, spec: str, *, timeout: float = 600.0, bucket_bytes: int = 0) -> DeviceGroup:
+        """Return the group a ``--devices`` argument names.
+
+        ``"cpu:4"`` (one kind and a count) is four devices ``cpu:0`` .. ``cpu:3``, as in
+        ``python train.py --devices cpu:4``; a comma list (``"cuda:0,cuda:1"``,
+        ``"cpu:0,strict:0"``) names each device.
+        """
+        kind, _, count = spec.strip().partition(":")
+        if "," not in spec and count.isdigit():
+            devices = [f"{kind}:{i}" for i in range(int(count))]
+        else:
+            devices = [d.strip() for d in spec.split(",") if d.strip()]
+        return cls(devices, timeout=timeout, bucket_bytes=bucket_bytes)
+
     @property
     def size(self) -> int:
         return len(self.devices)

@@ -312,3 +312,9 @@ def test_unreceived_send_is_reported_and_the_group_recovers() -> None:
     outs = group.run(lambda c, x: c.all_reduce(fs.tensor(x, device=c.device)).numpy(),
                      [np.ones(2), np.full(2, 2.0)])
     np.testing.assert_array_equal(outs[1], [3.0, 3.0])
+
+
+def test_parse_reads_a_count_or_a_list() -> None:
+    assert [str(d) for d in fs.DeviceGroup.parse("cpu:3").devices] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert [str(d) for d in fs.DeviceGroup.parse("cpu:0, strict:0").devices] == [
+        "cpu:0", "strict:0"]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+from threadpoolctl import ThreadpoolController
 
 import fuelspmd as fs
-from fuelspmd.launch import _check_world, _local_rank, detect_launcher
+from fuelspmd.launch import _THREAD_VARS, _check_world, _local_rank, _share_cores, detect_launcher
 from fuelspmd.transport import SelfTransport
 
 
@@ -103,3 +105,22 @@ def test_local_rank_keeps_the_launchers_numbering_when_it_is_a_permutation() -> 
 def test_local_ranks_that_are_no_numbering_are_a_config_error() -> None:
     with pytest.raises(fs.ConfigError, match=r"host 'a' runs ranks \[0, 1\].*\[0, 0\]"):
         _local_rank(["a", "a"], [0, 0], 1, "mpiexec")
+
+
+def test_ranks_on_one_node_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks on a node get half the cores each for BLAS; a user's setting wins."""
+    for var in _THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    blas = [p["num_threads"] for p in ThreadpoolController().info() if p["user_api"] == "blas"]
+    try:
+        got = _share_cores(2)
+        assert got == max(1, len(os.sched_getaffinity(0)) // 2)
+        now = [p["num_threads"] for p in ThreadpoolController().info()
+               if p["user_api"] == "blas"]
+        assert all(n == got for n in now)
+        assert _share_cores(1) is None
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert _share_cores(2) is None
+    finally:
+        if blas:
+            ThreadpoolController().limit(limits=max(blas), user_api="blas")

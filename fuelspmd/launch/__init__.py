@@ -1,0 +1,255 @@
+"""``fs.init()``: find the launcher, start the transport, pick the device, guard the job.
+
+Layer 5. The same program runs under ``mpiexec`` (MPICH's Hydra or Open MPI), under
+Slurm's ``srun`` (or ``mpiexec`` inside an sbatch allocation), and as a plain script. The
+launcher is read from the environment *before* any MPI library is loaded, so a plain run
+never imports mpi4py, and so a launch that MPI would get wrong is caught with a message
+that says how to fix it:
+
+=============  =================================================  ==========================
+launcher       environment it sets                                 rank, size, local rank
+=============  =================================================  ==========================
+mpiexec/Hydra  PMI_RANK, PMI_SIZE, MPI_LOCALRANKID                 PMI_RANK, PMI_SIZE, ...
+Open MPI       OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK                 the same
+srun           SLURM_STEP_ID, SLURM_PROCID, SLURM_STEP_NUM_TASKS,   SLURM_PROCID, ...
+               SLURM_LOCALID
+none           nothing of the above                                 0, 1, 0 (no MPI)
+=============  =================================================  ==========================
+
+After the transport is up, every rank's host name is gathered, so ``local_rank``,
+``local_size`` and the node list come from the job itself and are checked against what the
+launcher said.
+
+One failure ends the job: ``init`` installs an exception hook that prints the traceback
+once, each line prefixed with ``[rank R]``, and aborts the transport, so ``mpiexec`` returns
+non-zero within seconds instead of leaving the other ranks blocked in a collective. A
+non-zero ``sys.exit`` aborts the same way; a rank killed by a signal is the launcher's to
+notice, and where the launcher does not (a plain ``srun``), the ranks on its node notice
+its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`). docs/reliability.md has the measured matrix.
+
+With ``init(trace_dir=DIR)`` each rank's flight recorder (the last operations of
+``world.comm`` and every communicator split from it) is written to ``DIR/rank<R>.json`` on a
+collective timeout, a mismatch, or an abort by the crash handler (just before the abort),
+and ``fuelspmd trace DIR`` lines the ranks up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from threadpoolctl import threadpool_limits
+
+from fuelspmd.backend import Device, cuda_device_count
+from fuelspmd.backend import device as as_device
+from fuelspmd.comm.communicator import Communicator
+from fuelspmd.comm.guarded import GuardedTransport
+from fuelspmd.comm.recorder import Recorder
+from fuelspmd.errors import ConfigError, TransportUnavailableError
+from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
+from fuelspmd.launch.places import (
+    LaunchInfo,
+    check_world,
+    detect_launcher,
+    gather_places,
+    local_rank,
+)
+from fuelspmd.transport import SelfTransport, Transport, load_plugin
+
+__all__ = ["LaunchInfo", "World", "detect_launcher", "init"]
+
+# the private names tests and older callers use
+_check_world, _local_rank = check_world, local_rank
+
+
+@dataclass(eq=False)
+class World:
+    """The job as this rank sees it: its place, its device and the world transport."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: str
+    nodes: list[str]  # host name of every rank, indexed by rank
+    launcher: str
+    device: Device
+    transport: Transport
+    timeout: float
+    trace_dir: str | None = None  # where the flight recorder is dumped on a failure
+    threads: int | None = None  # BLAS/OpenMP threads this rank was limited to; None: untouched
+    _hooks: tuple[Any, ...] | None = field(default=None, repr=False)
+    _watch: PeerWatch | None = field(default=None, repr=False)
+    _comm: Communicator | None = field(default=None, repr=False)
+
+    @property
+    def comm(self) -> Communicator:
+        """The world's lazy Communicator, over the guarded world transport.
+
+        Made on first use, and that first use is collective (the guard splits a control
+        channel off the transport): every rank must touch ``world.comm`` at the same point.
+        A size-1 world needs no guard. With a ``trace_dir`` the guard keeps a flight recorder
+        (one ring shared with the communicators split from this one), dumped there on a
+        failure; without one it records nothing (a deque append and a timestamp per op).
+        """
+        if self._comm is None:
+            seam: Transport = self.transport
+            if self.size > 1:
+                recorder = Recorder() if self.trace_dir is not None else None
+                seam = GuardedTransport(seam, timeout=self.timeout, recorder=recorder,
+                                        trace_dir=self.trace_dir)
+            self._comm = Communicator(seam, device=self.device, timeout=self.timeout)
+        return self._comm
+
+    @property
+    def num_nodes(self) -> int:
+        """Count the distinct hosts in the job."""
+        return len(set(self.nodes))
+
+    def dump_trace(self, *, reason: str = "") -> Path | None:
+        """Write this rank's flight recorder to ``trace_dir``; None without one (or no comm)."""
+        guard = getattr(self._comm.transport, "guard", None) if self._comm is not None else None
+        if guard is None or self.trace_dir is None:
+            return None
+        return guard.dump(reason=reason)
+
+    def finalize(self) -> None:
+        """Release the transport and the crash handler; a later ``init()`` starts afresh."""
+        global _WORLD
+        if self._hooks is not None:
+            remove_crash_handler(self._hooks)
+            self._hooks = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        if self._comm is not None:
+            close_guard = getattr(self._comm.transport, "close", None)
+            if close_guard is not None:
+                close_guard()
+            self._comm = None
+        close = getattr(self.transport, "finalize", None)
+        if close is not None:
+            close()
+        if _WORLD is self:
+            _WORLD = None
+
+
+_WORLD: World | None = None  # init() is idempotent: the process has one world
+
+
+def init(*, transport: str = "auto", device: str | Device = "auto",
+         timeout: float = 600.0, trace_dir: str | os.PathLike[str] | None = None) -> World:
+    """Start (or return) this process's World.
+
+    ``transport``: "auto" (MPI under a launcher, the size-1 transport otherwise), or a
+    plugin name such as "mpi". ``device``: "auto" (``cuda:<local_rank % gpus>`` when cupy
+    sees a GPU, else ``cpu:0``) or a device string. ``timeout``: seconds every blocking
+    wait may take before it raises CommTimeoutError. ``trace_dir``: a directory (created
+    when first written) for the flight-recorder dumps, one ``rank<R>.json`` per rank, written
+    on a collective timeout or mismatch and by the crash handler before it aborts; read
+    them with ``fuelspmd trace DIR``. None (the default) writes nothing.
+    """
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    if not timeout > 0:
+        raise ConfigError(f"init(timeout={timeout}): the timeout must be a positive number "
+                          "of seconds, e.g. 600")
+    info = detect_launcher()
+    with _startup_deadline(info, timeout):
+        seam = _start_transport(transport, info, timeout)
+    check_world(seam, info)
+    world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
+                  nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
+                  timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir))
+    if seam.size > 1:
+        # from here on an exception on one rank ends the job, so a check below that fails
+        # on some ranks only cannot leave the others blocked
+        world._hooks = install_crash_handler(world)
+    world.nodes, launcher_local = gather_places(seam, info, timeout)
+    world.node = world.nodes[seam.rank]
+    world.local_size = world.nodes.count(world.node)
+    world.local_rank = local_rank(world.nodes, launcher_local, seam.rank, info.launcher)
+    world.device = _pick_device(device, world.local_rank)
+    world.threads = _share_cores(world.local_size)
+    if seam.size > 1:
+        world._watch = PeerWatch.start(world, timeout)
+    _WORLD = world
+    return world
+
+
+def _start_transport(name: str, info: LaunchInfo, timeout: float) -> Transport:
+    if name == "auto":
+        if info.launcher == "none":
+            return SelfTransport()
+        name = "mpi"
+    if name == "self":
+        if info.size > 1:
+            raise ConfigError(f"transport='self' runs one rank, but the {info.launcher} "
+                              f"launcher started {info.size}; use transport='auto'")
+        return SelfTransport()
+    plugin = load_plugin(name)
+    reason = plugin.unavailable_reason()
+    if reason is not None:
+        raise TransportUnavailableError(f"transport {name!r} cannot run here: {reason}")
+    return plugin.world(timeout=timeout)
+
+
+@contextlib.contextmanager
+def _startup_deadline(info: LaunchInfo, timeout: float) -> Iterator[None]:
+    """End this process if the transport is not up within ``timeout`` seconds.
+
+    ``MPI_Init`` waits for every rank of the job and has no deadline of its own: a rank
+    that fails before it calls ``fs.init()`` (an import error, a bad argument on one rank)
+    leaves the others in it for ever. Hydra does not end them (measured: a rank exiting
+    with status 1 before MPI_Init left the other blocked until killed 90 s later; Open
+    MPI's mpirun ended the job in 0.4 s). ``MPI_Init`` holds the GIL, so no Python thread
+    or signal handler can run meanwhile: faulthandler's C watchdog thread does the work.
+    When the deadline passes it prints every thread's stack (the main thread's ends in
+    ``_start_transport``, naming where it waited) and exits the process with status 1; the
+    launcher, seeing every rank gone, ends the job.
+    """
+    if info.launcher == "none" or info.size <= 1:
+        yield
+        return
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _share_cores(local_size: int) -> int | None:
+    """Limit this rank's BLAS/OpenMP pools to its share of the node's cores.
+
+    Every BLAS starts one thread per core in every process, so ``local_size`` ranks on a
+    node run ``local_size`` x cores threads that preempt each other inside every matmul
+    (measured: a 2-rank tensor-parallel step on 2 cores ran 15x slower than with one
+    thread per rank). torchrun sets OMP_NUM_THREADS=1 for the same reason; here a rank
+    gets ``cores // local_size`` threads (at least 1). A thread count the user set in the
+    environment wins, and a single rank per node is left alone. Returns the limit, or None.
+    """
+    if local_size <= 1 or any(os.environ.get(v) for v in _THREAD_VARS):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    limit = max(1, cores // local_size)
+    threadpool_limits(limits=limit)
+    return limit
+
+
+def _pick_device(device: str | Device, local_rank: int) -> Device:
+    if device != "auto":
+        return as_device(device)
+    gpus = cuda_device_count()
+    return Device("cuda", local_rank % gpus) if gpus else Device("cpu", 0)

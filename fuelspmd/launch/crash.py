@@ -1,0 +1,252 @@
+"""Failure handling for a started World: one failing rank ends the whole job, quickly.
+
+The crash handler prints the cause once (each line prefixed ``[rank R]``), dumps the flight
+recorder when a ``trace_dir`` is set, and aborts the transport; a non-zero ``sys.exit``
+takes the same road. A rank killed by a signal is the launcher's to notice; where the
+launcher does not (a plain ``srun``), :class:`PeerWatch` on the same node does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, NoReturn, Protocol
+
+import numpy as np
+
+from fuelspmd.transport import Transport
+
+__all__ = ["PeerWatch", "install_crash_handler", "remove_crash_handler"]
+
+
+class World(Protocol):
+    """What failure handling reads of :class:`fuelspmd.launch.World`."""
+
+    rank: int
+    size: int
+    node: str
+    nodes: list[str]
+    transport: Transport
+    trace_dir: str | None
+
+    def dump_trace(self, *, reason: str = "") -> Any: ...
+
+
+_REPORT_PAUSE_S = 0.1  # a failing rank's pause between its report and the abort
+_WATCH_EVERY_S = 0.5  # how often a rank looks at its same-node peers' processes
+# a peer found dead is left this long to the launcher (which reports and kills the job in
+# 0.1-0.4 s where it does: measured in docs/reliability.md) before the watch aborts
+_LAUNCHER_GRACE_S = 3.0
+
+
+def install_crash_handler(world: World) -> tuple[Any, ...]:
+    """Make an unhandled exception, or a non-zero ``sys.exit``, on any rank end the whole job.
+
+    The cause is printed once, by the failing rank, each line prefixed with its rank; then
+    the transport aborts every rank (MPI_Abort), so nobody is left waiting in a
+    collective. Returns what :func:`remove_crash_handler` restores.
+
+    ``sys.exit(n)`` raises SystemExit, which never reaches ``sys.excepthook``: the
+    interpreter exits, and mpi4py's exit hook calls ``MPI_Finalize``, which waits for ranks
+    that are blocked in a collective with the rank that left (measured: until their own
+    deadline). So ``sys.exit`` is wrapped while the world lives: it raises a
+    :class:`_RankExit`, whose ``code`` the interpreter reads when, and only when, it
+    turns the exception into the process's exit status, with no Python frame left on the
+    stack; a non-zero status is then an abort. A SystemExit that the program catches
+    (argparse's in a test, say) is read, if at all, from Python code, and changes nothing.
+    ``os.abort()``, a segmentation fault or SIGKILL end the process without running any
+    Python: the launcher notices the death and kills the other ranks (measured for
+    MPICH's Hydra, Open MPI's mpirun and ``srun --kill-on-bad-exit=1`` in
+    docs/reliability.md); faulthandler prints the dying rank's Python stack for the
+    signals it can catch.
+    """
+    previous = (sys.excepthook, threading.excepthook, sys.exit, faulthandler.is_enabled())
+
+    def report_and_abort(kind: type[BaseException], value: BaseException,
+                         tb: TracebackType | None, where: str = "") -> None:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        prefix = f"[rank {world.rank}] "
+        lines = [f"{prefix}unhandled {kind.__name__}{where}; aborting all {world.size} ranks"]
+        lines += [prefix + line for line in text.rstrip("\n").split("\n")]
+        sys.stderr.write("\n".join(lines) + "\n")
+        _flush_then_abort(world, 1, f"crash handler: unhandled {kind.__name__}{where}: {value}")
+
+    def excepthook(kind: type[BaseException], value: BaseException,
+                   tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            previous[0](kind, value, tb)
+        report_and_abort(kind, value, tb)
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        report_and_abort(args.exc_type, args.exc_value or args.exc_type(),
+                         args.exc_traceback, where=f" in thread {name}")
+
+    def leaving(status: int, code: object, caller: str) -> None:
+        prefix = f"[rank {world.rank}] "
+        shown = "" if isinstance(code, int) else f" ({code})"
+        sys.stderr.write(f"{prefix}sys.exit({code!r}) at {caller}: exit status "
+                         f"{status}{shown}; aborting all {world.size} ranks\n")
+        _flush_then_abort(world, status, f"crash handler: sys.exit({code!r}) at {caller}")
+
+    def exit_hook(code: object = None) -> NoReturn:
+        frame = sys._getframe(1)
+        caller = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        raise _RankExit(code, caller=caller, on_exit=leaving)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook
+    sys.exit = exit_hook
+    if not previous[3]:
+        faulthandler.enable(all_threads=True)
+    return previous
+
+
+def _flush_then_abort(world: World, code: int, reason: str = "") -> NoReturn:
+    """Dump the flight recorder, flush the report, let the launcher forward it, then abort.
+
+    The dump comes first: the abort ends every rank, this one included, and a failed dump
+    (a full disk) is reported but must not keep the job from ending.
+
+    Open MPI's mpirun drops what a rank wrote just before MPI_Abort when the abort wins
+    the race with its output forwarding (seen once in 12 cells under load: the report was
+    lost), so the rank pauses ``_REPORT_PAUSE_S`` first; it is ending anyway.
+    """
+    try:
+        world.dump_trace(reason=reason or f"abort({code})")
+    except (OSError, RuntimeError) as e:  # RuntimeError: the ring moved under a thread's dump
+        sys.stderr.write(f"[rank {world.rank}] flight recorder dump to {world.trace_dir} "
+                         f"failed: {e}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(_REPORT_PAUSE_S)
+    world.transport.abort(code)
+
+
+def remove_crash_handler(previous: tuple[Any, ...]) -> None:
+    """Put back what :func:`install_crash_handler` replaced."""
+    sys.excepthook, threading.excepthook, sys.exit, had_faulthandler = previous
+    if not had_faulthandler:
+        faulthandler.disable()
+
+
+class _RankExit(SystemExit):
+    """The SystemExit of ``sys.exit`` after ``init``: aborts the job if it ends the process.
+
+    CPython turns an uncaught SystemExit into the exit status by reading its ``code`` from
+    C (``_Py_HandleSystemExit``) after the last Python frame has unwound; that read, with
+    an empty Python stack and a non-zero status, is the moment the rank is certainly
+    leaving, before ``atexit`` runs ``MPI_Finalize``. Any read from Python code (a caught
+    exception inspected by the program or by pytest) has a caller frame and changes nothing.
+    """
+
+    def __init__(self, code: object, *, caller: str,
+                 on_exit: Callable[[int, object, str], None]) -> None:
+        super().__init__(code)
+        self._caller = caller
+        self._on_exit = on_exit
+
+    @property  # type: ignore[override]
+    def code(self) -> object:
+        value = SystemExit.code.__get__(self)  # the base class's slot
+        try:
+            sys._getframe(1)
+        except ValueError:  # no Python frame: the interpreter itself is exiting
+            status = value if isinstance(value, int) else (0 if value is None else 1)
+            if status != 0:
+                self._on_exit(status, value, self._caller)
+        return value
+
+
+def _process_start(pid: int) -> int | None:
+    """Return when ``pid`` started (clock ticks since boot), or None if it is gone or a zombie.
+
+    Field 22 of /proc/PID/stat; with the PID it names one process for the machine's
+    lifetime, so a PID reused by another process does not pass for the peer.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if len(fields) < 20 or fields[0] == b"Z":
+        return None
+    return int(fields[19])
+
+
+class PeerWatch:
+    """Abort the job when a rank on this node dies without the launcher ending the job.
+
+    ``os.abort()``, a segfault or SIGKILL end a rank without running any Python, so only
+    the launcher can notice; Hydra, Open MPI's mpirun and ``srun --kill-on-bad-exit=1``
+    then kill the other ranks, but a plain ``srun`` (Slurm's default KillOnBadExit=0)
+    leaves them blocked in their collective until its deadline (measured: the whole
+    timeout). So every rank watches the processes of the ranks on its own node (their PID
+    and start time, all-gathered at ``init``; a peer not visible here, in another PID
+    namespace, is not watched) from a daemon thread every ``_WATCH_EVERY_S``; a peer that
+    is gone, or a zombie, for ``_LAUNCHER_GRACE_S`` is reported and the job aborted.
+    Ranks on other nodes are the launcher's and the transport deadline's to notice.
+
+    A peer may not leave early in a correct program: MPI_Finalize synchronises the ranks,
+    and the watch stops before this rank finalizes (``World.finalize`` or at exit, before
+    mpi4py's own exit hook), so a peer that has finalized and exited is never mistaken for
+    a dead one.
+    """
+
+    def __init__(self, world: World, peers: dict[int, tuple[int, int]]) -> None:
+        self._world = world
+        self._peers = peers  # rank -> (pid, start time)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fuelspmd-peer-watch",
+                                        daemon=True)
+
+    @classmethod
+    def start(cls, world: World, timeout: float) -> PeerWatch | None:
+        """Gather every rank's (pid, start time) and watch this node's peers; collective."""
+        me = np.array([os.getpid(), _process_start(os.getpid()) or -1], dtype=np.int64)
+        every = np.empty(2 * world.size, dtype=np.int64)
+        world.transport.all_gather(me, every).wait(timeout)
+        peers = {r: (int(pid), int(start)) for r, (pid, start) in
+                 enumerate(every.reshape(world.size, 2).tolist())
+                 if r != world.rank and world.nodes[r] == world.node and start >= 0
+                 and _process_start(int(pid)) == start}
+        if not peers:
+            return None
+        watch = cls(world, peers)
+        atexit.register(watch.stop)  # runs before mpi4py's MPI_Finalize (registered later)
+        watch._thread.start()
+        return watch
+
+    def stop(self) -> None:
+        """Stop watching (before this rank finalizes); idempotent."""
+        self._stopped.set()
+        atexit.unregister(self.stop)
+
+    def _run(self) -> None:
+        dead_since: float | None = None
+        while not self._stopped.wait(_WATCH_EVERY_S):
+            dead = [(r, pid) for r, (pid, start) in self._peers.items()
+                    if _process_start(pid) != start]
+            if not dead:
+                continue
+            now = time.monotonic()
+            if dead_since is None:
+                dead_since = now
+            if now - dead_since < _LAUNCHER_GRACE_S or self._stopped.is_set():
+                continue
+            world = self._world
+            names = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
+            sys.stderr.write(f"[rank {world.rank}] {names} on this node died without "
+                             f"finalizing and the launcher did not end the job; aborting "
+                             f"all {world.size} ranks\n")
+            _flush_then_abort(world, 1, f"peer watch: {names} died")

@@ -8,13 +8,17 @@ reduce op and root (else :class:`CollectiveMismatchError` on every member, namin
 and fields) and computes the result once for all. An all_reduce of host arrays (numpy and
 array-api-strict devices share host memory) is reduced chunk by chunk, by all the members'
 threads in parallel (numpy releases the GIL), into one array that every member gets
-read-only (``all_reduce_shared``): nothing is copied n times. A cupy buffer is staged
-through host memory. A member whose program returned or failed without joining a
-collective the others wait in makes them raise at once, naming it; otherwise a wait gives
-up after ``timeout`` seconds, naming the members that never came.
+read-only (``all_reduce_shared``): nothing is copied n times. When every member's buffer
+is on a GPU (a ``cuda:0, cuda:1`` group) the collective stays on the GPUs: the buffers are
+peer-copied to the first member's GPU, combined there with cupy, and each member's result
+is copied to its own GPU (:func:`_on_gpus`). A group mixing a GPU with host devices
+(``cuda:0, cpu:0``) is staged through host memory. A member whose program returned or
+failed without joining a collective the others wait in makes them raise at once, naming
+it; otherwise a wait gives up after ``timeout`` seconds, naming the members that never
+came.
 
 Send/recv go through per-(src, dst, tag) mailboxes: a send deposits a copy and returns,
-a recv waits for its message.
+a recv waits for its message (GPU buffers pass through host memory).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.backend import to_host
+from fuelspmd.backend import Device, to_host, transfer
 from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError, PeerAbortedError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
 
@@ -251,15 +255,121 @@ class _Group:
 
 
 def _host(buf: Any) -> np.ndarray:
-    return buf if isinstance(buf, np.ndarray) else to_host(buf)
-
-
-def _write(buf: Any, host: np.ndarray) -> None:
-    """Write ``host`` into ``buf`` (numpy or cupy), whatever their shapes."""
     if isinstance(buf, np.ndarray):
-        buf.reshape(-1)[...] = host.reshape(-1)
+        return buf
+    if _is_cuda(buf):  # this thread may drive another GPU: copy under the buffer's own
+        import cupy
+
+        with cupy.cuda.Device(buf.device.id):
+            return cupy.asnumpy(buf)
+    return to_host(buf)
+
+
+def _is_cuda(buf: Any) -> bool:
+    return type(buf) is not np.ndarray and type(buf).__module__.startswith("cupy")
+
+
+def _settle(buf: Any) -> Any:
+    """Return ``buf``; a GPU buffer only once its stream has finished writing it.
+
+    Another member's thread reads it next, from another stream or GPU: without this it
+    could read the buffer before the kernel that fills it has run.
+    """
+    if _is_cuda(buf):
+        import cupy
+
+        with cupy.cuda.Device(buf.device.id):
+            cupy.cuda.get_current_stream().synchronize()
+    return buf
+
+
+def _to_gpu(arr: Any, index: int) -> Any:
+    """``arr`` on GPU ``index`` (itself, or a peer copy: :func:`fuelspmd.backend.transfer`)."""
+    return transfer(arr, Device("cuda", arr.device.id), Device("cuda", index))
+
+
+def _on_gpus(bufs: list[Any], compute: Callable[[Any, list[Any]], list[Any]]
+             ) -> list[Any] | None:
+    """Run ``compute(cupy, bufs)`` on the first member's GPU and hand each member its
+    result on its own GPU; None when a member's buffer is not on a GPU (host path).
+
+    The results are complete when this returns (every GPU involved is synchronised), so
+    a member may read its result from any stream.
+    """
+    if not all(_is_cuda(b) for b in bufs):
+        return None
+    import cupy
+
+    home = bufs[0].device.id
+    with cupy.cuda.Device(home):
+        outs = compute(cupy, [_to_gpu(b, home) for b in bufs])
+        cupy.cuda.get_current_stream().synchronize()
+    results = [_to_gpu(o, b.device.id) for o, b in zip(outs, bufs)]
+    for index in sorted({b.device.id for b in bufs}):
+        cupy.cuda.Device(index).synchronize()
+    return results
+
+
+def _gpu_reduce(xp: Any, bufs: list[Any], op: ReduceOp, *, shared: bool) -> list[Any]:
+    """Reduce GPU buffers of one shape on one GPU; the same result for every member
+    (``shared``) or member r's block of it (reduce_scatter)."""
+    ufunc = getattr(xp, _REDUCE[op].__name__)
+    out = bufs[0].reshape(-1).copy()
+    for b in bufs[1:]:
+        ufunc(out, b.reshape(-1), out=out)
+    n = len(bufs)
+    if op is ReduceOp.AVG:
+        if out.dtype.kind == "f":
+            out /= n
+        else:
+            xp.floor_divide(out, n, out=out)
+    return [out] * n if shared else list(out.reshape(n, -1))
+
+
+def _reduce_any(bufs: list[Any], op: ReduceOp, spare: dict[Any, np.ndarray], *,
+                shared: bool) -> Any:
+    """The reduction of one collective: on the GPUs when every buffer is on one, else on
+    the host (a chunked job, buffers on a GPU staged to the host first)."""
+    gpu = _on_gpus(bufs, lambda xp, bs: _gpu_reduce(xp, bs, op, shared=shared))
+    if gpu is not None:
+        return gpu
+    return _reduce_job([_host(b) for b in bufs], op, spare, shared=shared)
+
+
+def _gather_any(bufs: list[Any]) -> list[Any]:
+    def gather(xp: Any, bs: list[Any]) -> list[Any]:
+        return [xp.concatenate([b.reshape(-1) for b in bs])] * len(bs)
+
+    return _on_gpus(bufs, gather) or gather(np, [_host(b) for b in bufs])
+
+
+def _all_to_all_any(bufs: list[Any]) -> list[Any]:
+    n = len(bufs)
+
+    def exchange(xp: Any, bs: list[Any]) -> list[Any]:
+        blocks = [b.reshape(n, -1) for b in bs]
+        return [xp.concatenate([blocks[s][r] for s in range(n)]) for r in range(n)]
+
+    return _on_gpus(bufs, exchange) or exchange(np, [_host(b) for b in bufs])
+
+
+def _broadcast_any(bufs: list[Any], root: int) -> list[Any]:
+    n = len(bufs)
+    return (_on_gpus(bufs, lambda xp, bs: [bs[root]] * n)
+            or [_host(bufs[root])] * n)
+
+
+def _write(buf: Any, out: Any) -> None:
+    """Write ``out`` (numpy, or cupy on ``buf``'s GPU) into ``buf``, whatever their shapes."""
+    if isinstance(buf, np.ndarray):
+        buf.reshape(-1)[...] = out.reshape(-1)
+    elif _is_cuda(out):
+        import cupy
+
+        with cupy.cuda.Device(buf.device.id):
+            buf.reshape(-1)[...] = out.reshape(-1)
     else:
-        buf.reshape(-1).set(np.ascontiguousarray(host.reshape(-1)))
+        buf.reshape(-1).set(np.ascontiguousarray(out.reshape(-1)))
 
 
 class LocalTransport:
@@ -274,6 +384,12 @@ class LocalTransport:
         self.rank, self.size = rank, group.n
         self.name = "local"
 
+    @staticmethod
+    def _payload(buf: Any) -> Any:
+        """What a member hands the group: a host array, or its GPU buffer once settled
+        (converted to the host by the computing member if the group is mixed)."""
+        return _settle(buf) if _is_cuda(buf) else _host(buf)
+
     def _fp(self, op: str, buf: Any, **more: Any) -> dict[str, Any]:
         return {"op": op, "shape": tuple(buf.shape), "dtype": str(buf.dtype), **more}
 
@@ -284,18 +400,23 @@ class LocalTransport:
 
         return self._g.collective(self.rank, self._fp("all_reduce", host, reduce_op=op.value),
                                   host,
-                                  lambda bufs: _reduce_job(bufs, op, self._g.spare, shared=True))
+                                  lambda bufs: _reduce_any(bufs, op, self._g.spare, shared=True))
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Work:
         check_buffers("all_reduce", self.size, buf)
-        _write(buf, self.all_reduce_shared(buf, op))
+        if not _is_cuda(buf):
+            _write(buf, self.all_reduce_shared(buf, op))
+            return DONE
+        out = self._g.collective(self.rank, self._fp("all_reduce", buf, reduce_op=op.value),
+                                 _settle(buf),
+                                 lambda bufs: _reduce_any(bufs, op, self._g.spare, shared=True))
+        _write(buf, out)
         return DONE
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         check_buffers("all_gather", self.size, send, recv, recv_factor=self.size)
-        out = self._g.collective(self.rank, self._fp("all_gather", send), _host(send),
-                                 lambda bufs: [np.concatenate([b.reshape(-1) for b in bufs])]
-                                 * len(bufs))
+        out = self._g.collective(self.rank, self._fp("all_gather", send), self._payload(send),
+                                 _gather_any)
         _write(recv, out)
         return DONE
 
@@ -303,8 +424,8 @@ class LocalTransport:
         check_buffers("reduce_scatter", self.size, send, recv, send_factor=self.size)
 
         out = self._g.collective(self.rank, self._fp("reduce_scatter", send,
-                                                     reduce_op=op.value), _host(send),
-                                 lambda bufs: _reduce_job(bufs, op, self._g.spare, shared=False))
+                                                     reduce_op=op.value), self._payload(send),
+                                 lambda bufs: _reduce_any(bufs, op, self._g.spare, shared=False))
         _write(recv, out)
         return DONE
 
@@ -312,21 +433,15 @@ class LocalTransport:
         check_peer("broadcast", root, self.size, what="root")
         check_buffers("broadcast", self.size, buf)
         out = self._g.collective(self.rank, self._fp("broadcast", buf, root=int(root)),
-                                 _host(buf) if self.rank == root else None,
-                                 lambda bufs: [bufs[root]] * len(bufs))
+                                 self._payload(buf), lambda bufs: _broadcast_any(bufs, root))
         if self.rank != root:
             _write(buf, out)
         return DONE
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         check_buffers("all_to_all", self.size, send, recv)
-        n = self.size
-
-        def compute(bufs: list[np.ndarray]) -> list[np.ndarray]:
-            blocks = [b.reshape(n, -1) for b in bufs]
-            return [np.concatenate([blocks[s][r] for s in range(n)]) for r in range(n)]
-
-        out = self._g.collective(self.rank, self._fp("all_to_all", send), _host(send), compute)
+        out = self._g.collective(self.rank, self._fp("all_to_all", send), self._payload(send),
+                                 _all_to_all_any)
         _write(recv, out)
         return DONE
 

@@ -215,8 +215,8 @@ def run_generic(prog: Program, be: Any, regs: list[Any]) -> list[Any]:
     return outs
 
 
-_CTYPES = {"float16": "float16", "float32": "float", "float64": "double", "int32": "int",
-           "int64": "long long", "bool": "bool"}
+_CTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float",
+           "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
 
 
 def cupy_source(prog: Program, ir: list[Instr]) -> tuple[str, str, str]:

@@ -25,7 +25,8 @@ once, each line prefixed with ``[rank R]``, and aborts the transport, so ``mpiex
 non-zero within seconds instead of leaving the other ranks blocked in a collective. A
 non-zero ``sys.exit`` aborts the same way; a rank killed by a signal is the launcher's to
 notice, and where the launcher does not (a plain ``srun``), the ranks on its node notice
-its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`). docs/reliability.md has the measured matrix.
+its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`). docs/reliability.md has
+the measured matrix.
 
 With ``init(trace_dir=DIR)`` each rank's flight recorder (the last operations of
 ``world.comm`` and every communicator split from it) is written to ``DIR/rank<R>.json`` on a
@@ -59,7 +60,7 @@ from fuelspmd.launch.places import (
     gather_places,
     local_rank,
 )
-from fuelspmd.transport import SelfTransport, Transport, load_plugin
+from fuelspmd.transport import SelfTransport, Transport, find_transports, load_plugin
 
 __all__ = ["LaunchInfo", "World", "detect_launcher", "init"]
 
@@ -146,8 +147,9 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
          timeout: float = 600.0, trace_dir: str | os.PathLike[str] | None = None) -> World:
     """Start (or return) this process's World.
 
-    ``transport``: "auto" (MPI under a launcher, the size-1 transport otherwise), or a
-    plugin name such as "mpi". ``device``: "auto" (``cuda:<local_rank % gpus>`` when cupy
+    ``transport``: "auto" (under a launcher NCCL when the rank's device is a CUDA GPU and
+    the nccl plugin can run, else MPI; the size-1 transport otherwise), or a plugin name
+    such as "mpi" or "nccl". ``device``: "auto" (``cuda:<local_rank % gpus>`` when cupy
     sees a GPU, else ``cpu:0``) or a device string. ``timeout``: seconds every blocking
     wait may take before it raises CommTimeoutError. ``trace_dir``: a directory (created
     when first written) for the flight-recorder dumps, one ``rank<R>.json`` per rank, written
@@ -162,7 +164,7 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
                           "of seconds, e.g. 600")
     info = detect_launcher()
     with _startup_deadline(info, timeout):
-        seam = _start_transport(transport, info, timeout)
+        seam = _start_transport(transport, info, timeout, device)
     check_world(seam, info)
     world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
                   nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
@@ -175,7 +177,7 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     world.node = world.nodes[seam.rank]
     world.local_size = world.nodes.count(world.node)
     world.local_rank = local_rank(world.nodes, launcher_local, seam.rank, info.launcher)
-    world.device = _pick_device(device, world.local_rank)
+    world.device = _pick_device(device, world.local_rank, seam)
     world.threads = _share_cores(world.local_size)
     if seam.size > 1:
         world._watch = PeerWatch.start(world, timeout)
@@ -183,11 +185,12 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     return world
 
 
-def _start_transport(name: str, info: LaunchInfo, timeout: float) -> Transport:
+def _start_transport(name: str, info: LaunchInfo, timeout: float,
+                     device: str | Device = "auto") -> Transport:
     if name == "auto":
         if info.launcher == "none":
             return SelfTransport()
-        name = "mpi"
+        name = "nccl" if _nccl_for(device) else "mpi"
     if name == "self":
         if info.size > 1:
             raise ConfigError(f"transport='self' runs one rank, but the {info.launcher} "
@@ -197,7 +200,19 @@ def _start_transport(name: str, info: LaunchInfo, timeout: float) -> Transport:
     reason = plugin.unavailable_reason()
     if reason is not None:
         raise TransportUnavailableError(f"transport {name!r} cannot run here: {reason}")
+    if device != "auto" and getattr(plugin, "takes_device", False):
+        return plugin.world(timeout=timeout, device=as_device(device))  # type: ignore[call-arg]
     return plugin.world(timeout=timeout)
+
+
+def _nccl_for(device: str | Device) -> bool:
+    """Whether transport="auto" under a launcher picks NCCL: the rank's device is a CUDA
+    GPU (named, or "auto" with a GPU visible) and the nccl plugin can run here."""
+    wants_gpu = (cuda_device_count() > 0 if device == "auto"
+                 else as_device(device).kind == "cuda")
+    if not wants_gpu or "nccl" not in find_transports():
+        return False
+    return load_plugin("nccl").unavailable_reason() is None
 
 
 @contextlib.contextmanager
@@ -248,8 +263,12 @@ def _share_cores(local_size: int) -> int | None:
     return limit
 
 
-def _pick_device(device: str | Device, local_rank: int) -> Device:
+def _pick_device(device: str | Device, local_rank: int,
+                 seam: Transport | None = None) -> Device:
     if device != "auto":
         return as_device(device)
+    bound = getattr(seam, "device", None)  # a device transport (nccl) chose its GPU already
+    if isinstance(bound, Device):
+        return bound
     gpus = cuda_device_count()
     return Device("cuda", local_rank % gpus) if gpus else Device("cpu", 0)

@@ -1,43 +1,59 @@
 """``fuelspmd bench calibrate``: measure this machine's shared-memory alpha, beta and gamma.
 
 Run as ``mpiexec -n 4 fuelspmd bench calibrate`` (any size >= 2). For every group size
-``n`` in ``--groups`` (sub-groups of the world, split off through the transport), every
+``n`` in ``--groups`` (sub-groups of the world, split off through the transport; the ranks
+outside the group sleep, so a group of 2 on 2 cores is not measured oversubscribed), every
 collective (all_reduce, all_gather, reduce_scatter) and every size from 8 B to 64 MiB, the
 world transport's collective is timed in repetitions that alternate between two sets, A
 and B, so both see the same machine state (these machines switch between fast and slow
-states for minutes at a time). Set A fits the model; set B checks it. The model of one
-shared-memory node with ``c`` cores is :class:`fuelspmd.cost.CostModel`'s own: for each
+states for minutes at a time). A repetition is the slowest rank's median operation.
+
+Set A fits the model; set B, which the fit never saw, judges it (the printed table: error
+per point, median per collective and group size, ranks per core). The model of one
+shared-memory node with ``c`` cores is :class:`fuelspmd.cost.CostModel`'s own; for each
 algorithm the time is linear in its parameters,
 
     t = c_alpha * alpha + s * (c_beta / B + c_gamma / R),   s = max(1, n / c)
 
-with alpha replaced by the oversubscribed latency when ``n > c`` (ranks wait to be
-scheduled), and the prediction is the fastest algorithm. The coefficients come from the
-CostModel itself, so the fitted numbers mean what the model means; alpha, B (bandwidth), R
-(reduce bandwidth) and the oversubscribed latency minimise the mean absolute log error over
-set A. The table compares set B with the fitted model; the parameters are saved where
-:func:`fuelspmd.cost.load_calibration` finds them.
+with alpha replaced by the crowded latency of the ratio ``n / c`` when ``n > c`` (a message
+waits for its receiver to be scheduled), and the prediction is the fastest
+algorithm. The coefficients come from the CostModel itself, so the fitted numbers mean
+what the model means. What is fitted is a few *regimes* (:mod:`fuelspmd.cost.regimes`):
+at most three bands of sizes, each of at least two measured sizes, with their own alpha,
+B, R and crowded latency per ranks-per-core ratio, chosen together to minimise the
+summed |log error| (a relative error: least squares on absolute time would let 64 MiB
+decide everything).
+MPICH's eager and rendezvous protocols and its size switches between algorithms are why
+one line cannot fit (measured: one line gave a 47% median error at 3-4 ranks). The
+parameters are saved where :func:`fuelspmd.cost.load_calibration` finds them (``shm``:
+the one-link view ``detect`` reads; ``regimes``: what :func:`fuelspmd.cost.calibrated_model`
+uses); ``--points FILE`` refits a saved file's measurements without MPI.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fuelspmd.cost.calibration import save_calibration
 from fuelspmd.cost.collectives import CostModel
+from fuelspmd.cost.regimes import Regime, regimes_to_dict
+from fuelspmd.errors import CommTimeoutError
 from fuelspmd.launch import init
 from fuelspmd.topology import Link, Node, Topology, cpu_cores
 from fuelspmd.transport import ReduceOp, Transport
 
-__all__ = ["fit", "main", "measure"]
+__all__ = ["check", "fit", "main", "measure", "model_for", "summary"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = (8, 64, 512, 4096, 32768, 262144, 2**21, 2**24, 2**26)
@@ -73,38 +89,62 @@ def _run(seam: Transport, collective: str, send: np.ndarray, recv: np.ndarray,
 def measure(seam: Transport, *, sizes: tuple[int, ...] = SIZES, reps: int = 4,
             timeout: float = 60.0) -> list[dict[str, Any]]:
     """Time each collective and size on ``seam``: ``2 * reps`` timings taken back to back and
-    dealt A, B, A, B, so set A (fit) and set B (check) see the same machine state; each
-    timing is the slowest rank's mean per operation."""
+    dealt A, B, A, B, so set A (fit) and set B (check) see the same machine state.
+
+    A timing is ``k`` operations after a barrier, each timed alone; its value is the slowest
+    rank's median operation. The median, not the mean: on a shared 2-core machine one
+    preemption (a 4 ms time slice) in 50 operations of 6 us would otherwise make the 8 B
+    point 80 us, and the model predicts the typical operation, not the scheduler's.
+    """
     n = seam.size
     out = []
     slowest = np.zeros(1, np.float64)
+    clock = time.perf_counter
     for nbytes in sizes:
         for collective in COLLECTIVES:
             send, recv, actual = _buffers(collective, nbytes, n)
             _run(seam, collective, send, recv, timeout)  # warm: buffers, algorithms
             k = _iterations(nbytes)
+            each = [0.0] * k
             sets: tuple[list[float], list[float]] = ([], [])
             for rep in range(2 * reps):
                 seam.barrier().wait(timeout)
-                start = time.perf_counter()
-                for _ in range(k):
+                for i in range(k):
+                    start = clock()
                     _run(seam, collective, send, recv, timeout)
-                slowest[0] = (time.perf_counter() - start) / k
+                    each[i] = clock() - start
+                slowest[0] = statistics.median(each)
                 seam.all_reduce(slowest, ReduceOp.MAX).wait(timeout)
                 sets[rep % 2].append(float(slowest[0]))
             out.append({"collective": collective, "ranks": n, "nbytes": actual,
-                        "fit_s": statistics.median(sets[0]),
+                        "nominal": nbytes, "fit_s": statistics.median(sets[0]),
                         "check_s": statistics.median(sets[1])})
     return out
 
 
+def _idle_barrier(seam: Transport, timeout: float) -> None:
+    """Meet every rank without holding a core: ranks outside the measured group sleep here.
+
+    A spinning wait would make a group of 2 on a 2-core machine share its cores with the
+    idle ranks, so "2 ranks" would be measured oversubscribed (it was: 8 B collectives
+    scattered from 6 us to 160 us between repetitions). The 20 ms naps wake rarely enough
+    not to preempt the measured ranks often.
+    """
+    work = seam.barrier()
+    deadline = time.monotonic() + timeout
+    while not work.test():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"calibrate: a rank did not reach the barrier between "
+                                   f"groups within {timeout} s")
+        time.sleep(0.02)
+
+
 def _coefficients(records: list[dict[str, Any]], cores: int) -> list[np.ndarray]:
-    """Per record, one row per algorithm: multipliers of (alpha, oversubscribed alpha,
-    1/B, 1/R).
+    """Per record, one row per algorithm: multipliers of (latency, 1/B, 1/R).
 
     With alpha = 1 s and bandwidths of 1 B/s on an uncrowded node, the model's latency,
-    transfer and reduce terms *are* the multipliers; crowding moves the latency to the
-    second column and scales the others by n / cores.
+    transfer and reduce terms *are* the multipliers; crowding (``n > cores``) scales the
+    last two by ``n / cores``, and the latency is then the crowded one of that ratio.
     """
     out = []
     models: dict[int, CostModel] = {}
@@ -114,54 +154,135 @@ def _coefficients(records: list[dict[str, Any]], cores: int) -> list[np.ndarray]
             models[n] = CostModel(Topology.uniform(nodes=1, devices_per_node=n,
                                                    fabric=Link("shm", 1.0, 1.0),
                                                    reduce_bandwidth=1.0))
-        model, crowded = models[n], n > cores
         slow = max(1.0, n / cores)
-        rows = [((0.0, e.latency) if crowded else (e.latency, 0.0))
-                + (e.transfer * slow, e.reduce * slow) for e in (
-                    model.estimate(r["collective"], r["nbytes"], range(n), algorithm=a)
-                    for a in model.algorithms(r["collective"], range(n)))]
+        rows = [(e.latency, e.transfer * slow, e.reduce * slow) for e in (
+            models[n].estimate(r["collective"], r["nbytes"], range(n), algorithm=a)
+            for a in models[n].algorithms(r["collective"], range(n)))]
         out.append(np.array(rows))
     return out
 
 
-def _predict(coefs: list[np.ndarray], params: np.ndarray) -> np.ndarray:
-    """Predicted seconds for each record under each parameter row."""
-    return np.stack([(c @ params.T).min(axis=0) for c in coefs])  # [records, params]
+# alpha (s), beta, gamma (s/B), crowded latency (s): the grid's first range
+_LO = np.log10([1e-8, 1e-12, 1e-12])
+_HI = np.log10([1e-2, 1e-7, 1e-7])
+_CLO, _CHI = np.log10(1e-7), np.log10(1e-1)
 
 
-def fit(records: list[dict[str, Any]], *, cores: int) -> dict[str, float]:
-    """Alpha, oversubscribed alpha, bandwidth and reduce bandwidth minimising the mean
-    |log(model / set A)|, by a log-spaced grid search refined twice around the best point.
-    A parameter no record depends on (no crowded group, say) is left out of the file."""
+def _errors(coefs: list[np.ndarray], meas: np.ndarray, lat: np.ndarray,
+            bw: np.ndarray) -> np.ndarray:
+    """Summed |log error| over records for each (latency, [beta, gamma]) pair of grids:
+    ``lat`` [L] latencies, ``bw`` [G, 2]; returns [G, L]."""
+    err = np.zeros((len(bw), len(lat)))
+    for c, m in zip(coefs, meas, strict=True):
+        pred = (c[:, 1:] @ bw.T)[:, :, None] + c[:, :1, None] * lat[None, None, :]
+        err += np.abs(np.log(pred.min(axis=0) / m))
+    return err
+
+
+def _fit_band(coefs: list[np.ndarray], meas: np.ndarray, levels: list[float | None]
+              ) -> tuple[np.ndarray, dict[float, float], float]:
+    """Alpha, beta, gamma and one crowded latency per ranks-per-core level minimising the
+    summed |log(model / measured)| over one band's points, and that sum.
+
+    A grid over (alpha, beta, gamma), refined twice around the best point; the crowded
+    latency of each level touches only that level's points, so for every grid point it is
+    its own 1-D search (summed in, not multiplied into the grid).
+    """
+    groups: dict[float | None, list[int]] = {}
+    for k, lv in enumerate(levels):
+        groups.setdefault(lv, []).append(k)
+    best = (_LO + _HI) / 2
+    crowd = {lv: (_CLO + _CHI) / 2 for lv in groups if lv is not None}
+    total = np.zeros(1)
+    for width in (None, 0.5, 0.1):
+        axes = [np.linspace(_LO[i], _HI[i], 13) if width is None else
+                np.linspace(best[i] - width, best[i] + width, 9) for i in range(3)]
+        grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3)
+        total = np.zeros(len(grid))
+        picks: dict[float, np.ndarray] = {}
+        for lv, idx in groups.items():
+            if lv is None:
+                params = 10.0**grid
+                for k in idx:
+                    total += np.abs(np.log((coefs[k] @ params.T).min(axis=0) / meas[k]))
+                continue
+            line = (np.linspace(_CLO, _CHI, 13) if width is None else
+                    np.linspace(crowd[lv] - width, crowd[lv] + width, 9))
+            err = _errors([coefs[k] for k in idx], meas[idx], 10.0**line, 10.0**grid[:, 1:])
+            picks[lv] = line[err.argmin(axis=1)]
+            total += err.min(axis=1)
+        g = int(np.argmin(total))
+        best = grid[g]
+        crowd = {lv: float(picks[lv][g]) for lv in picks}
+    return 10.0**best, {lv: 10.0**v for lv, v in crowd.items()}, float(total.min())
+
+
+def fit(records: list[dict[str, Any]], *, cores: int, max_regimes: int = 3,
+        min_sizes: int = 2) -> list[Regime]:
+    """Fit set A: at most ``max_regimes`` size bands of at least ``min_sizes`` measured sizes
+    each, and per band the alpha, crowded latencies, bandwidth and reduce bandwidth
+    (:mod:`fuelspmd.cost.regimes`) minimising the summed |log error|.
+
+    Bands and their parameters are chosen together: every contiguous run of sizes is
+    fitted once and a dynamic programme picks the partition with the least total error.
+    A band edge lies halfway (geometrically) between the sizes it separates. The crowded
+    latency is fitted per ranks-per-core ratio measured (none when no group outnumbers
+    the cores).
+    """
+    sizes = sorted({r["nominal"] for r in records})
     coefs = _coefficients(records, cores)
-    meas = np.array([r["fit_s"] for r in records])[:, None]
-    lo = np.log10([1e-8, 1e-7, 1e-12, 1e-12])  # alpha, crowded alpha (s), beta, gamma (s/B)
-    hi = np.log10([1e-3, 1e-1, 1e-8, 1e-8])
-    best = (lo + hi) / 2
-    for width in (None, 0.4, 0.08):
-        axes = [np.linspace(lo[i], hi[i], 13) if width is None else
-                np.linspace(best[i] - width, best[i] + width, 9) for i in range(4)]
-        grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 4)
-        err = np.abs(np.log(_predict(coefs, 10.0**grid) / meas)).mean(axis=0)
-        best = grid[int(np.argmin(err))]
-    alpha, crowded, beta, gamma = 10.0**best
-    params = {"latency": float(alpha), "bandwidth": float(1 / beta),
-              "reduce_bandwidth": float(1 / gamma)}
-    if any(r["ranks"] > cores for r in records):
-        params["oversubscribed_latency"] = float(crowded)
-    return params
+    meas = np.array([r["fit_s"] for r in records])
+    levels = [r["ranks"] / cores if r["ranks"] > cores else None for r in records]
+    index = {s: i for i, s in enumerate(sizes)}
+    where = [index[r["nominal"]] for r in records]
+    bands: dict[tuple[int, int], tuple[np.ndarray, dict[float, float], float]] = {}
+    width = min(min_sizes, len(sizes))
+    for i in range(len(sizes)):
+        for j in range(i + width, len(sizes) + 1):
+            pick_ = [k for k, w in enumerate(where) if i <= w < j]
+            bands[i, j] = _fit_band([coefs[k] for k in pick_], meas[pick_],
+                                    [levels[k] for k in pick_])
+    # best[k][j]: least error covering sizes[:j] with k bands, and the cut that gave it
+    inf = float("inf")
+    best: list[list[tuple[float, int]]] = [[(inf, -1)] * (len(sizes) + 1)
+                                           for _ in range(max_regimes + 1)]
+    best[0][0] = (0.0, -1)
+    for k in range(1, max_regimes + 1):
+        for j in range(1, len(sizes) + 1):
+            best[k][j] = min(((best[k - 1][i][0] + bands[i, j][2], i) for i in range(j)
+                              if (i, j) in bands and best[k - 1][i][0] < inf),
+                             default=(inf, -1))
+    k = min(range(1, max_regimes + 1), key=lambda k: best[k][len(sizes)][0])
+    cuts, j = [], len(sizes)
+    while k > 0:
+        i = best[k][j][1]
+        cuts.append((i, j))
+        j, k = i, k - 1
+    out = []
+    for i, j in reversed(cuts):
+        (alpha, beta, gamma), crowd, _ = bands[i, j]
+        upto = math.inf if j == len(sizes) else math.sqrt(sizes[j - 1] * sizes[j])
+        out.append(Regime(upto, float(alpha), float(1 / beta), float(1 / gamma),
+                          tuple(sorted(crowd.items()))))
+    return out
 
 
-def check(records: list[dict[str, Any]], params: dict[str, float], *,
+def model_for(n: int, regimes: list[Regime], *, cores: int) -> CostModel:
+    """The cost model of ``n`` ranks on this node with the fitted regimes (as ``detect``
+    and :func:`fuelspmd.cost.calibrated_model` build it for a job of this size)."""
+    first = regimes[0]
+    node = Node("here", n, Link("shm", first.bandwidth, first.latency),
+                reduce_bandwidth=first.reduce_bandwidth, cores=cores)
+    return CostModel(Topology([node]), regimes=regimes)
+
+
+def check(records: list[dict[str, Any]], regimes: list[Regime], *,
           cores: int) -> list[dict[str, Any]]:
     """Each record with the fitted model's prediction, its algorithm and its error against
-    set B (the model built as ``detect`` builds it for a job of this size)."""
+    set B, the timings the fit never saw."""
     out = []
     for n in sorted({r["ranks"] for r in records}):
-        node = Node("here", n, Link("shm", params["bandwidth"], params["latency"]),
-                    reduce_bandwidth=params["reduce_bandwidth"], cores=cores,
-                    oversubscribed_latency=params.get("oversubscribed_latency"))
-        model = CostModel(Topology([node]))
+        model = model_for(n, regimes, cores=cores)
         for r in (r for r in records if r["ranks"] == n):
             est = model.estimate(r["collective"], r["nbytes"], range(n))
             out.append({**r, "predicted_s": est.seconds, "algorithm": est.algorithm,
@@ -169,62 +290,116 @@ def check(records: list[dict[str, Any]], params: dict[str, float], *,
     return out
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'collective':<15}{'n':>2}{'bytes':>10}{'measured':>12}{'predicted':>12}"
-             f"{'error':>8}  algorithm"]
+def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Median |error| per ``collective@ranks``, per ranks, and over all points."""
+    out: dict[str, float] = {}
+    for c in COLLECTIVES:
+        for n in sorted({r["ranks"] for r in rows}):
+            errs = [r["error"] for r in rows if r["collective"] == c and r["ranks"] == n]
+            if errs:
+                out[f"{c}@{n}"] = statistics.median(errs)
+    for n in sorted({r["ranks"] for r in rows}):
+        out[f"all@{n}"] = statistics.median(r["error"] for r in rows if r["ranks"] == n)
+    out["all"] = statistics.median(r["error"] for r in rows)
+    return out
+
+
+def _table(rows: list[dict[str, Any]], cores: int) -> str:
+    lines = [f"{'collective':<15}{'n':>2}{'n/core':>7}{'bytes':>10}{'measured':>12}"
+             f"{'predicted':>12}{'error':>8}  algorithm"]
     for r in rows:
-        lines.append(f"{r['collective']:<15}{r['ranks']:>2}{r['nbytes']:>10}"
-                     f"{r['check_s'] * 1e6:>10.1f}us{r['predicted_s'] * 1e6:>10.1f}us"
-                     f"{r['error']:>8.1%}  {r['algorithm']}")
+        lines.append(f"{r['collective']:<15}{r['ranks']:>2}{r['ranks'] / cores:>7.2g}"
+                     f"{r['nbytes']:>10}{r['check_s'] * 1e6:>10.1f}us"
+                     f"{r['predicted_s'] * 1e6:>10.1f}us{r['error']:>8.1%}  {r['algorithm']}")
+    med = summary(rows)
+    ranks = sorted({r["ranks"] for r in rows})
+    lines.append("")
+    lines.append("median |error| " + "".join(f"{f'n={n}':>9}" for n in ranks))
+    for c in (*COLLECTIVES, "all"):
+        lines.append(f"{c:<15}" + "".join(f"{med.get(f'{c}@{n}', math.nan):>9.1%}"
+                                          for n in ranks))
     return "\n".join(lines)
 
 
+def _describe(regimes: list[Regime]) -> str:
+    parts = []
+    for r in regimes:
+        crowd = "".join(f", {x:.3g} ranks/core: {v * 1e6:.0f} us" for x, v in r.crowded)
+        upto = "inf" if math.isinf(r.upto) else f"{r.upto:.0f} B"
+        parts.append(f"  up to {upto}: alpha {r.latency * 1e6:.2f} us, bandwidth "
+                     f"{r.bandwidth / 1e9:.2f} GB/s, reduce {r.reduce_bandwidth / 1e9:.2f} "
+                     f"GB/s{crowd}")
+    return "\n".join(parts)
+
+
 def main(argv: list[str]) -> int:
-    """Measure, fit, print the check table and save; 0 on success, 2 on bad use."""
+    """Measure (or read ``--points``), fit, print the check table and save; 0 on success,
+    2 on bad use."""
     p = argparse.ArgumentParser(prog="fuelspmd bench calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", default="2,3,4", help="group sizes to measure (default %(default)s)")
-    p.add_argument("--reps", type=int, default=4, help="timings per set and point")
+    p.add_argument("--reps", type=int, default=6, help="timings per set and point")
     p.add_argument("--max-bytes", type=int, default=2**26, help="largest size (default 64 MiB)")
+    p.add_argument("--regimes", type=int, default=3, help="most size bands (default %(default)s)")
+    p.add_argument("--points", help="refit the points of a saved calibration (no MPI)")
     p.add_argument("--out", help="calibration file (default: where load_calibration looks)")
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(argv)
-    world = init(timeout=120.0)
-    groups = sorted({int(x) for x in args.groups.split(",") if x.strip()})
-    if world.size < 2 or not groups or min(groups) < 2:
-        print(f"fuelspmd bench calibrate: run under mpiexec with >= 2 ranks and group sizes "
-              f">= 2 (world {world.size}, groups {groups}): mpiexec -n 4 fuelspmd bench "
-              "calibrate", file=sys.stderr)
-        return 2
-    groups = [g for g in groups if g <= world.size]
-    sizes = tuple(s for s in SIZES if s <= args.max_bytes)
-    records: list[dict[str, Any]] = []
-    for n in groups:
-        member = world.rank < n
-        sub = world.transport.split(0 if member else 1, world.rank)
-        if member:
-            records += measure(sub, sizes=sizes, reps=args.reps)
-        world.transport.barrier().wait(world.timeout)
-    if world.rank != 0:
-        return 0
     cores = cpu_cores()
-    params = fit(records, cores=cores)
-    rows = check(records, params, cores=cores)
-    median = statistics.median(r["error"] for r in rows)
-    data = {"version": 1, "host": socket.gethostname(), "world": world.size, "cores": cores,
-            "shm": params, "fit": {"median_abs_error_check": median, "points": rows}}
+    if args.points:
+        saved = json.loads(Path(args.points).read_text())
+        records = [{k: v for k, v in r.items() if k in _RECORD} for r in saved["fit"]["points"]]
+        cores, world_size, rank = int(saved.get("cores", cores)), int(saved["world"]), 0
+    else:
+        world = init(timeout=120.0)
+        groups = sorted({int(x) for x in args.groups.split(",") if x.strip()})
+        if world.size < 2 or not groups or min(groups) < 2:
+            print(f"fuelspmd bench calibrate: run under mpiexec with >= 2 ranks and group "
+                  f"sizes >= 2 (world {world.size}, groups {groups}): mpiexec -n 4 fuelspmd "
+                  "bench calibrate", file=sys.stderr)
+            return 2
+        groups = [g for g in groups if g <= world.size]
+        sizes = tuple(s for s in SIZES if s <= args.max_bytes)
+        records = []
+        for n in groups:
+            member = world.rank < n
+            sub = world.transport.split(0 if member else 1, world.rank)
+            if member:
+                records += measure(sub, sizes=sizes, reps=args.reps)
+            _idle_barrier(world.transport, world.timeout)
+        world_size, rank = world.size, world.rank
+    if rank != 0:
+        return 0
+    regimes = fit(records, cores=cores, max_regimes=args.regimes)
+    rows = check(records, regimes, cores=cores)
+    med = summary(rows)
+    last, first = regimes[-1], regimes[0]
+    data: dict[str, Any] = {
+        "version": 2, "host": socket.gethostname(), "world": world_size, "cores": cores,
+        "load": list(os.getloadavg()),
+        # the one-line view ``detect`` reads: small-message latency, large-message rates
+        "shm": {"latency": first.latency, "bandwidth": last.bandwidth,
+                "reduce_bandwidth": last.reduce_bandwidth,
+                **({} if not first.crowded else
+                   {"oversubscribed_latency": first.crowded[0][1]})},
+        "regimes": regimes_to_dict(regimes),
+        "fit": {"median_abs_error_check": med["all"], "median_by": med,
+                "ranks_per_core": sorted({r["ranks"] / cores for r in records}),
+                "points": rows}}
     if not args.no_save:
         data["path"] = str(save_calibration(data, args.out))
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(_table(rows))
-    print(f"\nfitted: alpha {params['latency'] * 1e6:.2f} us, bandwidth "
-          f"{params['bandwidth'] / 1e9:.2f} GB/s, reduce {params['reduce_bandwidth'] / 1e9:.2f}"
-          f" GB/s, oversubscribed alpha "
-          f"{params.get('oversubscribed_latency', float('nan')) * 1e6:.0f} us ({cores} cores)"
-          f"; median |error| on the check set {median:.1%}")
+    print(_table(rows, cores))
+    print(f"\nfitted on set A, judged on set B; {cores} cores, ranks per core "
+          f"{', '.join(f'{x:.3g}' for x in data['fit']['ranks_per_core'])}; load "
+          f"{' '.join(f'{x:.2f}' for x in data['load'])}\n{_describe(regimes)}\n"
+          f"median |error| on the check set {med['all']:.1%}")
     if "path" in data:
         print(f"saved to {data['path']}")
     return 0
+
+
+_RECORD = ("collective", "ranks", "nbytes", "nominal", "fit_s", "check_s")

@@ -8,8 +8,11 @@ transport's all_reduce through the shared window, copying the input in (any buff
 ``shm_zc`` is the same with the input already in the window (``shared_buffer``), which
 the lazy graph's memory planner can arrange. Before every round each buffer is refilled
 with the rank's input (untimed), the ranks meet at a barrier, and one call is timed; a
-round's time is the slowest rank's. Reported: each candidate's median, and the speedup
-``mpi / shm`` as the median over rounds of the paired ratios (robust to a slow phase).
+round's time is the slowest rank's. Reported: each candidate's median, the speedup
+``mpi / shm`` as the median over rounds of the paired ratios (robust to a slow phase), and
+the all-reduce the calibrated cost model picks for the size (``model picks``; the
+calibration of ``$FUELSPMD_CALIBRATION`` or the default place): mpi where it predicts no
+win for shm.
 
 Correctness, checked once per size before timing: every rank's input is the float32
 ``((i + 7 r) mod 97) * 0.37 - 11``; the shm results must equal, bitwise, numpy's fold in
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.bench import Column, interleave, median, parse_bytes, print_json, print_table
+from fuelspmd.cost.policy import AllReducePlan, Band, planner_for
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
 
@@ -149,7 +153,8 @@ def _main(argv: list[str]) -> int:
     if not sizes or min(sizes) < 4 or args.rounds < 1:
         raise ConfigError(f"bench shm: sizes must be >= 4 bytes (got {sizes}) and --rounds "
                           f">= 1 (got {args.rounds})")
-    t = init().transport
+    world = init()
+    t = world.transport
     if getattr(t, "comm", None) is None or not hasattr(t, "set_all_reduce_policy"):
         raise ConfigError(f"bench shm needs the MPI transport, but this world runs on "
                           f"{t.name!r}; start it under mpiexec (e.g. mpiexec -n 2 fuelspmd "
@@ -160,6 +165,10 @@ def _main(argv: list[str]) -> int:
                           f"(one rank, or ranks on several nodes); run 2+ ranks on one node")
     rows = run(t, sizes=sorted(sizes), rounds=args.rounds)
     correct = all(r["correct"] for r in rows)
+    plan = planner_for(world)(t.world_ranks)  # what the calibrated model would choose
+    chosen = AllReducePlan(tuple(Band(*b) for b in plan["bands"]), tuple(plan["nodes"]))
+    for r in rows:
+        r["model"] = chosen.choose(r["bytes"]).algorithm
     if t.rank == 0:
         meta = {"bench": "shm", "ranks": t.size, "dtype": "float32", "op": "sum",
                 "rounds": args.rounds}
@@ -171,6 +180,7 @@ def _main(argv: list[str]) -> int:
                     Column("shm_zc ms", "shm_zc_ms", "{:.3f}"),
                     Column("x shm", "speedup_shm", "{:.2f}"),
                     Column("x shm_zc", "speedup_shm_zc", "{:.2f}"),
+                    Column("model picks", "model"),
                     Column("correct", "correct"),
                     Column("max|shm-mpi|", "max_diff_vs_mpi", "{:.2g}")]
             print_table(f"all_reduce sum float32, {t.size} ranks: MPICH Allreduce(IN_PLACE) "

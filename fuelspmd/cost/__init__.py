@@ -5,15 +5,23 @@ the same prediction and a test checks it in one process.
 
 - :mod:`fuelspmd.cost.collectives`: :class:`CostModel` (``predict``, ``best_algorithm``,
   ``bus_bandwidth``) for every collective and algorithm.
-- :mod:`fuelspmd.cost.calibration`: the JSON file of measured alpha, beta and gamma.
+- :mod:`fuelspmd.cost.calibration`: the JSON file of measured alpha, beta and gamma, and
+  :func:`calibrated_model`.
+- :mod:`fuelspmd.cost.regimes`: the shared-memory link's numbers per band of sizes.
 - :mod:`fuelspmd.cost.transformer`: step time of a transformer under tp x pp x dp, and the
   ranked plans ``fuelspmd plan`` prints.
 """
 
 from __future__ import annotations
 
-from fuelspmd.cost.calibration import calibration_path, load_calibration, save_calibration
+from fuelspmd.cost.calibration import (
+    calibrated_model,
+    calibration_path,
+    load_calibration,
+    save_calibration,
+)
 from fuelspmd.cost.collectives import ALGORITHMS, COLLECTIVES, Choice, CostModel, Estimate
+from fuelspmd.cost.regimes import Regime, regimes_from_dict, regimes_to_dict
 
 __all__ = [
     "ALGORITHMS",
@@ -21,7 +29,11 @@ __all__ = [
     "Choice",
     "CostModel",
     "Estimate",
+    "Regime",
+    "calibrated_model",
     "calibration_path",
     "load_calibration",
+    "regimes_from_dict",
+    "regimes_to_dict",
     "save_calibration",
 ]

@@ -4,11 +4,17 @@
 file; :func:`fuelspmd.topology.detect` reads it (through :func:`load_calibration`) so the
 cost model of a CPU job predicts this machine, not a default one. The file is::
 
-    {"version": 1, "host": "...", "cores": c, "shm": {"latency": s, "bandwidth": B/s,
-     "reduce_bandwidth": B/s, "oversubscribed_latency": s}, "fit": {...}}
+    {"version": 2, "host": "...", "cores": c, "shm": {"latency": s, "bandwidth": B/s,
+     "reduce_bandwidth": B/s, "oversubscribed_latency": s},
+     "regimes": [{"upto": B or null, "latency": s, "bandwidth": B/s,
+                  "reduce_bandwidth": B/s, "oversubscribed_latency": s}, ...],
+     "fit": {...}}
 
-``oversubscribed_latency`` (optional) is the per-message latency when more ranks than cores
-are busy (see :class:`fuelspmd.topology.Node`).
+``shm`` is the one-link view :func:`fuelspmd.topology.detect` reads (small-message latency,
+large-message rates); ``oversubscribed_latency`` (optional) is the per-message latency when
+more ranks than cores are busy (see :class:`fuelspmd.topology.Node`). ``regimes`` (optional,
+version 2) are the per-size-band numbers :mod:`fuelspmd.cost.regimes` describes; give them
+to the model with :func:`calibrated_model`.
 
 Its place: the ``path`` argument, else ``$FUELSPMD_CALIBRATION``, else
 ``$XDG_CACHE_HOME/fuelspmd/calibration.json`` (``~/.cache`` when XDG_CACHE_HOME is unset).
@@ -23,9 +29,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fuelspmd.cost.collectives import CostModel
+from fuelspmd.cost.regimes import regimes_from_dict
 from fuelspmd.errors import ConfigError
+from fuelspmd.topology import Topology
 
-__all__ = ["calibration_path", "load_calibration", "save_calibration"]
+__all__ = ["calibrated_model", "calibration_path", "load_calibration", "save_calibration"]
 
 _KEYS = ("latency", "bandwidth", "reduce_bandwidth")
 
@@ -55,7 +64,23 @@ def _check(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     crowded = shm.get("oversubscribed_latency")
     if crowded is not None and not (isinstance(crowded, (int, float)) and crowded >= 0):
         raise ConfigError(f"{where}: shm.oversubscribed_latency = {crowded!r} must be >= 0 s")
+    try:
+        regimes_from_dict(data.get("regimes"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: unreadable regimes ({e}); rerun the calibration") from None
     return dict(data)
+
+
+def calibrated_model(topology: Topology,
+                     calibration: Mapping[str, Any] | None = None) -> CostModel:
+    """The cost model of ``topology`` with the calibration's size regimes (none: one link).
+
+    ``calibration`` is :func:`load_calibration`'s dictionary; build ``topology`` from the
+    same one (``detect(world, calibration=...)``) so both views agree.
+    """
+    if calibration is None:
+        return CostModel(topology)
+    return CostModel(topology, regimes=regimes_from_dict(calibration.get("regimes")))
 
 
 def load_calibration(path: str | Path | None = None) -> dict[str, Any] | None:

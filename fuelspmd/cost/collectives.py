@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
+from fuelspmd.cost.regimes import Regime, apply_regime, pick
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Link, Topology
 
@@ -66,7 +67,7 @@ COLLECTIVES = tuple(ALGORITHMS)
 # layer above switches them on, so a default prediction (and the calibration fit, which
 # models what the transport runs by default) must not assume them.
 OPT_IN: dict[str, tuple[str, ...]] = {"all_reduce": ("shm",)}
-# Python and bookkeeping of one shared-memory all-reduce beyond its three barriers
+# Python and bookkeeping of one shared-memory all-reduce beyond its two phase syncs
 # (fuelspmd bench shm, 2 ranks, 2-core machine: about 0.1 ms at 64 KiB)
 SHM_CALL_OVERHEAD_S = 1e-4
 
@@ -118,12 +119,35 @@ def _fmt_s(t: float) -> str:
 
 
 class CostModel:
-    """Predicted collective times on one topology (pure: no transport, no tensor)."""
+    """Predicted collective times on one topology (pure: no transport, no tensor).
 
-    def __init__(self, topology: Topology) -> None:
+    ``regimes`` (calibrated, :mod:`fuelspmd.cost.regimes`): the shared-memory link's
+    numbers per band of collective sizes. A collective over CPU ranks is then priced with
+    the band of its ``nbytes`` in place of the nodes' single shared-memory link.
+    """
+
+    def __init__(self, topology: Topology, *, regimes: Sequence[Regime] = ()) -> None:
         self.topology = topology
+        self.regimes = tuple(regimes)
         # Predictions are pure functions of their arguments; planners ask the same ones often.
         self._memo: dict[tuple[object, ...], Estimate] = {}
+        self._banded: dict[tuple[int, int], CostModel] = {}
+
+    def _band(self, nbytes: float, members: Sequence[int], concurrent: int) -> CostModel | None:
+        """The model of ``nbytes``' regime when the group has a shared-memory node."""
+        if not self.regimes:
+            return None
+        topo = self.topology
+        parts = topo.by_node(members)
+        if all(topo.nodes[k].fabric.kind != "shm" for k in parts):
+            return None
+        busy = max(len(m) for m in parts.values()) * concurrent
+        key = (pick(self.regimes, nbytes), busy)
+        model = self._banded.get(key)
+        if model is None:
+            model = self._banded[key] = CostModel(
+                apply_regime(topo, self.regimes[key[0]], busy=busy))
+        return model
 
     # ----- public ------------------------------------------------------------------------
 
@@ -155,6 +179,12 @@ class CostModel:
         hit = self._memo.get(key)
         if hit is not None:
             return hit
+        band = self._band(nbytes, members, concurrent)
+        if band is not None:
+            est = band.estimate(collective, nbytes, members, algorithm=algorithm,
+                                concurrent=concurrent)
+            self._memo[key] = est
+            return est
         if algorithm is None:
             est = min((self._run(collective, a, nbytes, members, concurrent)
                        for a in self.algorithms(collective, members)), key=lambda e: e.seconds)
@@ -369,7 +399,7 @@ class CostModel:
     def _shm(self, nbytes: float, g: list[int], concurrent: int) -> Estimate:
         """The shared-memory all-reduce of ``fuelspmd_mpi`` (copy-in variant).
 
-        Three barriers (``ceil(log2 n)`` latencies each) and a fixed per-call overhead; each
+        Two phase syncs (``ceil(log2 n)`` latencies each) and a fixed per-call overhead; each
         rank copies ``(n-1)/n N`` in and ``(n-1)/n N`` out and writes its reduced ``N/n``
         twice, ``(2n-1)/n N`` of copies, at twice the fabric's bandwidth (an MPI byte sent
         through shared memory is copied twice, into the shared queue and out); the fold of
@@ -379,7 +409,7 @@ class CostModel:
         node = self.topology.nodes[self.topology.node_index(g[0])]
         slow, late = node.crowding(n * concurrent)
         alpha = late if late is not None else node.fabric.latency
-        latency = 3 * math.ceil(math.log2(n)) * alpha + SHM_CALL_OVERHEAD_S
+        latency = 2 * math.ceil(math.log2(n)) * alpha + SHM_CALL_OVERHEAD_S
         transfer = (2 * n - 1) / n * nbytes * slow / (2 * node.fabric.bandwidth)
         reduce = (n - 1) / n * nbytes * self._gamma(g, concurrent)
         return Estimate("shm", latency, transfer, reduce,

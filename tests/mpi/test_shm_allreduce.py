@@ -247,3 +247,40 @@ def test_split_groups_start_off_and_reduce_their_own_ranks(world: Any) -> None:
         np.testing.assert_array_equal(x, want)
     finally:
         sub.finalize()
+
+
+def test_pipelined_path_matches_the_fold(world: Any) -> None:
+    """From PIPE_MIN bytes, when every rank has a core, the all-reduce runs in chunks
+    through two small slots: the same left fold, bitwise, chunk edges included."""
+    from fuelspmd_mpi._shm import PIPE_MIN
+
+    shm = world._shm
+    count = PIPE_MIN // 8 + 12_345  # not a whole number of chunks, nor of ranks
+    for dt, op in (("float64", "sum"), ("int64", "avg"), ("float32", "max")):
+        name = f"pipe-{dt}-{op}"
+        x = data(name, world.rank, count, dt)
+        world.all_reduce(x, op).wait()
+        np.testing.assert_array_equal(x, fold(name, world.size, count, dt, op))
+    if shm is not None and shm.pipelined:
+        assert shm._pipe_chunks > 0  # it went through the slots
+        if world.size > 1:
+            y = np.ones(count + world.rank, np.float64)  # ranks disagree on the count
+            with pytest.raises(CollectiveMismatchError, match="count"):
+                world.all_reduce(y, "sum").wait()
+
+
+def test_one_rank_that_lost_its_core_sends_everyone_down_the_whole_size_path(
+        world: Any) -> None:
+    from fuelspmd_mpi._shm import PIPE_MIN
+
+    shm = world._shm
+    if shm is None or not shm.pipelined or world.size == 1:
+        pytest.skip("needs the pipelined path: 2+ ranks, each with a core")
+    count = PIPE_MIN // 8 + 7
+    if world.rank == 0:
+        shm._slow_left = 1  # as after a call whose handshakes waited for a time slice
+    before = shm._pipe_chunks
+    x = data("vote", world.rank, count, "float64")
+    world.all_reduce(x, "sum").wait()
+    np.testing.assert_array_equal(x, fold("vote", world.size, count, "float64", "sum"))
+    assert shm._pipe_chunks == before  # no rank ran a chunk: they all agreed

@@ -12,7 +12,15 @@ Each transport numbers the operations it starts (``seq``, from 0, collectives an
 point-to-point alike) so that a timeout names which one of the group's operations hung.
 The one exception to non-blocking: an all_reduce switched onto the shared-memory path
 (:meth:`MPITransport.set_all_reduce_policy`, :mod:`fuelspmd_mpi._shm`) runs to completion
-inside the call, its three barriers polled under the same deadline.
+inside the call, its phase syncs polled under the same deadline; so does one switched onto
+the hierarchical path (node and rail splits, :mod:`fuelspmd_mpi._hier`), each of its three
+MPI steps waited under the deadline. Which path a size takes is the layer above's choice,
+from the cost model (``set_all_reduce_policy(algorithm="auto", planner=...)``,
+:meth:`MPITransport.explain_all_reduce`).
+
+GPU buffers (``__cuda_array_interface__``) reach MPI directly when the library is
+CUDA-aware and are staged through pinned host memory when it is not
+(:mod:`fuelspmd_mpi._staging`); only the slow path, never the numpy hot path, looks.
 
 Collectives on empty buffers complete at once without calling MPI (every rank of the
 group has the same, empty, sizes); sends and receives of 0 elements still go through MPI
@@ -27,9 +35,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.errors import CollectiveMismatchError, ConfigError, DeviceError
+from fuelspmd.errors import CollectiveMismatchError, ConfigError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd_mpi._hier import Hierarchical
+from fuelspmd_mpi._policy import ALGORITHMS, ENV, RUNS, Route, digest, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce
+from fuelspmd_mpi._staging import cuda_aware, stage
 from fuelspmd_mpi._work import MPIWork, Types, divide
 
 __all__ = ["MPITransport"]
@@ -37,7 +48,6 @@ __all__ = ["MPITransport"]
 _COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different collective "
                     "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
-_ALGORITHMS = ("mpi", "shm")
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
 
 
@@ -48,20 +58,6 @@ def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
     goes through check_buffers, which raises the typed error, so the errors are its own.
     """
     return type(buf) is _ndarray and buf.flags.c_contiguous and buf.dtype in move
-
-
-def _on_host(op: str, *bufs: Any) -> None:
-    """Raise DeviceError for a buffer that is not a numpy array (a cupy array, say).
-
-    The PyPI MPICH is not CUDA-aware, so handing it device memory would crash the rank;
-    device buffers go through the nccl transport, or are staged by the caller.
-    """
-    for b in bufs:
-        if not isinstance(b, _ndarray):
-            raise DeviceError(
-                f"{op}: the MPI transport takes host (numpy) buffers, got "
-                f"{type(b).__module__}.{type(b).__name__}; move it to the host first "
-                f"(fuelspmd.backend.to_host) or use a device transport (nccl)")
 
 
 class MPITransport:
@@ -92,10 +88,14 @@ class MPITransport:
         self.world_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._seq = 0
-        # the shared-memory all-reduce (set_all_reduce_policy): off until the layer above
-        # decides; (min, max) bytes it serves
+        # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
+        # decides; the shared-memory path and the node/rail splits it may use
         self._shm: ShmAllReduce | None = None
-        self._shm_range = (0, -1)
+        self._hier: Hierarchical | None = None
+        self._route = Route(manual_bands("mpi", 0, 0, "the default"))
+        self._planner: Any = None
+        self._cap = DEFAULT_SHM_CAP
+        self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
 
     @property
     def comm(self) -> Any:
@@ -130,14 +130,30 @@ class MPITransport:
                     f"peer {peer} never posted the matching {other} with tag {tag}")
         return f"{op} #{seq} {where}", _COLLECTIVE_HINT
 
-    def _check2(self, op: str, send: Any, recv: Any, send_factor: int, recv_factor: int) -> None:
+    @property
+    def cuda_aware(self) -> tuple[bool, str]:
+        """Whether this MPI library reads GPU memory itself, and how that was decided."""
+        if self._cuda_aware is None:
+            self._cuda_aware = cuda_aware(self._MPI)
+        return self._cuda_aware
+
+    def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...],
+                *extra: Any) -> Work | None:
+        """Non-numpy buffers: None to go on as they are (CUDA-aware MPI), the Work of the
+        operation run on pinned host copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
+        return stage(getattr(self, op), bufs, outs, *extra, op=op,
+                     aware=lambda: self.cuda_aware[0])
+
+    def _check2(self, op: str, send: Any, recv: Any, send_factor: int, recv_factor: int,
+                *extra: Any) -> Work | None:
         if not (_plain(send, self._move) and _plain(recv, self._move)
                 and send.dtype == recv.dtype
                 and recv.size * send_factor == send.size * recv_factor
                 and send.size % send_factor == 0):
             check_buffers(op, self.size, send, recv, send_factor=send_factor,
                           recv_factor=recv_factor)
-            _on_host(op, send, recv)
+            return self._staged(op, (send, recv), (1,), *extra)
+        return None
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -156,17 +172,23 @@ class MPITransport:
                 if type(buf) is _ndarray and buf.flags.c_contiguous else None)
         if plan is None:
             check_buffers("all_reduce", self.size, buf)
-            _on_host("all_reduce", buf)
+            if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:
+                return staged
             plan = self._types.plan(buf.dtype, op, "all_reduce")
         seq = self._seq
         self._seq = seq + 1
         if buf.size == 0 or self.size == 1:
             return DONE
-        shm = self._shm
-        if (shm is not None and self._shm_range[0] <= buf.nbytes <= self._shm_range[1]
-                and plan.stage is None and buf.dtype in SHM_DTYPES
-                and shm.all_reduce(buf, op, seq)):
-            return DONE
+        route = self._route
+        if route.routed and plan.stage is None:
+            algo = route.algorithm(buf.nbytes)
+            shm, hier = self._shm, self._hier
+            if algo == "shm" and shm is not None:
+                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq):
+                    return DONE
+            elif algo == "hierarchical" and hier is not None:
+                hier.all_reduce(buf, plan, seq, self.size)
+                return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:
             req = self._comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
@@ -181,22 +203,32 @@ class MPITransport:
 
     def set_all_reduce_policy(self, *, algorithm: str, min_bytes: int = 0,
                               max_bytes: int | None = None,
-                              cap_bytes: int = DEFAULT_SHM_CAP) -> str:
-        """Choose how all_reduce runs for buffers of ``min_bytes..max_bytes``; return the choice.
+                              cap_bytes: int = DEFAULT_SHM_CAP, planner: Any = None,
+                              nodes: Any = None) -> str:
+        """Choose how all_reduce runs; return the choice ("mpi", "shm", "hierarchical", "auto").
 
         Collective: every rank calls it with the same arguments (checked: ranks that differ
-        raise CollectiveMismatchError). ``algorithm="shm"`` routes float32/float64/int32/
-        int64 all-reduces of that size range through the shared-memory path
-        (:mod:`fuelspmd_mpi._shm`), holding at most ``cap_bytes`` of shared window per rank;
-        ``"mpi"`` turns it off and frees the windows. The decision belongs to the layer
-        above (the cost model predicts where shm wins: it loses to MPI below about 1 MiB
-        on the measured machines). Returns "shm", or "mpi" when shm cannot apply here: a
-        group of one rank, or one whose ranks do not all share memory (several nodes; a
-        split per node can use it). A split starts with the policy off.
+        raise CollectiveMismatchError). The decision belongs to the layer above:
+
+        - ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`,
+          the calibrated cost model) gives the algorithm per size band, with the reason
+          (:meth:`explain_all_reduce`); a ``split`` plans its own group with the same
+          planner. ``$FUELSPMD_ALL_REDUCE`` (mpi, shm, hierarchical) overrides it.
+        - ``"shm"``: float32/float64/int32/int64 all-reduces of ``min_bytes..max_bytes``
+          go through the shared-memory path (:mod:`fuelspmd_mpi._shm`), holding at most
+          ``cap_bytes`` of shared window per rank.
+        - ``"hierarchical"``: those sizes go through node and rail splits
+          (:mod:`fuelspmd_mpi._hier`); ``nodes`` (the node index of each group rank) splits
+          as a declared topology says, else MPI's shared-memory split finds the nodes.
+        - ``"mpi"``: MPI's own all-reduce; frees the windows and splits.
+
+        An algorithm that cannot apply here runs as MPI's own and says why (shm: ranks on
+        several nodes; hierarchical: one node, or nodes with unequal shares); a manual
+        choice then returns "mpi". A split starts with MPI's own unless the policy is auto.
         """
-        if algorithm not in _ALGORITHMS:
+        if algorithm not in ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
-                              f"{list(_ALGORITHMS)}, got {algorithm!r}")
+                              f"{list(ALGORITHMS)}, got {algorithm!r}")
         if int(cap_bytes) < MIN_CLASS:
             raise ConfigError(f"set_all_reduce_policy: cap_bytes={cap_bytes} is below the "
                               f"smallest shared window ({MIN_CLASS} bytes per rank); pass at "
@@ -205,27 +237,81 @@ class MPITransport:
         if not 0 <= int(min_bytes) <= top:
             raise ConfigError(f"set_all_reduce_policy: need 0 <= min_bytes <= max_bytes, got "
                               f"min_bytes={min_bytes}, max_bytes={max_bytes}")
-        mine = np.array([_ALGORITHMS.index(algorithm), int(min_bytes), top, int(cap_bytes)],
-                        np.int64)
-        every = np.empty((self.size, 4), np.int64)
+        auto = algorithm == "auto"
+        source = f"set_all_reduce_policy(algorithm={algorithm!r})"
+        env = os.environ.get(ENV, "").strip()
+        if auto and env:
+            if env not in RUNS:
+                raise ConfigError(f"${ENV}={env!r}: use one of {list(RUNS)}, or unset it to "
+                                  "let the cost model choose")
+            algorithm, source, auto = env, f"${ENV}={env}", False
+        if auto:
+            if planner is None:
+                raise ConfigError("set_all_reduce_policy(algorithm='auto') needs planner=, "
+                                  "e.g. fuelspmd.cost.all_reduce_planner(model)")
+            data = planner(self.world_ranks)
+            bands = parse_bands(data["bands"])
+            nodes = data.get("nodes")
+        else:
+            bands = manual_bands(algorithm, int(min_bytes), top, source)
+        if nodes is not None and len(nodes) != self.size:
+            raise ConfigError(f"set_all_reduce_policy: nodes has {len(nodes)} entries for a "
+                              f"group of {self.size}; give the node index of every rank")
+        mine = np.array([ALGORITHMS.index(algorithm), int(min_bytes), top, int(cap_bytes),
+                         digest(bands, nodes)], np.int64)
+        every = np.empty((self.size, 5), np.int64)
         self.all_gather(mine, every.reshape(-1)).wait()
         if (every != mine).any():
-            rows = "; ".join(f"rank {k}: {_ALGORITHMS[int(a)]} {lo}..{hi} cap {c}"
-                             for k, (a, lo, hi, c) in enumerate(every.tolist()))
+            rows = "; ".join(f"rank {k}: {ALGORITHMS[int(a)]} {lo}..{hi} cap {c} plan {d:x}"
+                             for k, (a, lo, hi, c, d) in enumerate(every.tolist()))
             raise CollectiveMismatchError(
                 f"set_all_reduce_policy on {self.describe()}: the ranks passed different "
-                f"policies ({rows}); every rank must pass the same arguments")
-        if algorithm == "mpi" or self.size == 1:
-            self._free_shm()
-            return "mpi"
-        if self._shm is None or self._shm.cap_bytes != cap_bytes:
-            self._free_shm()
+                f"policies ({rows}); every rank must pass the same arguments (and planners "
+                f"built from the same calibration)")
+        self._free_shm()
+        self._planner = planner if auto else None
+        self._cap = int(cap_bytes)
+        route = Route(bands)
+        if self.size == 1:
+            self._route = Route([(u, "mpi", "one rank: nothing to reduce") for u, _, _ in bands])
+            return "auto" if auto else "mpi"
+        if "shm" in route.algos:
             self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
-                                            sync=self._shm_sync)
-        if self._shm is None:
-            return "mpi"
-        self._shm_range = (int(min_bytes), top)
-        return "shm"
+                                            timeout=self.timeout, late=self._shm_late)
+            if self._shm is None:
+                route = route.replace("shm", "does not apply: the ranks do not all share "
+                                      "memory (a split per node can use it)")
+        if "hierarchical" in route.algos:
+            self._hier = Hierarchical.create(self._comm, MPI=self._MPI, owner=self,
+                                             nodes=nodes)
+            if self._hier is None:
+                route = route.replace("hierarchical", "does not apply: the group is on one "
+                                      "node, or its nodes hold different numbers of its ranks")
+        self._route = route
+        if auto:
+            return "auto"
+        return algorithm if algorithm in route.algos else "mpi"
+
+    def all_reduce_algorithm(self, nbytes: int, dtype: Any = None) -> str:
+        """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs: mpi, shm or
+        hierarchical (a dtype those paths do not reduce, float16 say, runs MPI's own)."""
+        algo = self._route.algorithm(int(nbytes)) if self.size > 1 else "mpi"
+        if algo != "mpi" and dtype is not None:
+            dt = np.dtype(dtype)
+            if (self._types.plan(dt, ReduceOp.SUM, "all_reduce").stage is not None
+                    or (algo == "shm" and dt not in SHM_DTYPES)):
+                return "mpi"
+        return algo
+
+    def explain_all_reduce(self, nbytes: int, dtype: Any = None) -> str:
+        """Say which algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
+        if self.size == 1:
+            return f"all_reduce of {int(nbytes)} B: nothing to do (one rank)"
+        text = self._route.explain(int(nbytes))
+        if self.all_reduce_algorithm(nbytes, dtype) != self._route.algorithm(int(nbytes)):
+            text += f"; but {np.dtype(dtype).name} runs MPI's own (that path does not " \
+                    "reduce it)"
+        return text
 
     def shared_buffer(self, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` (uint8) that an all_reduce can take without copying them in.
@@ -245,14 +331,20 @@ class MPITransport:
         """Bytes of shared window this rank holds for the shm all-reduce (0 when it is off)."""
         return 0 if self._shm is None else self._shm.allocated_bytes
 
-    def _shm_sync(self, node: Any, seq: int) -> None:
-        MPIWork(node.Ibarrier(), self, "all_reduce (shared memory)", seq).wait()
+    def _shm_late(self, seq: int, limit: float) -> str:
+        what, hint = self.explain("all_reduce (shared memory)", seq)
+        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
+                f"raise the timeout (fs.init(timeout=...))")
 
     def _free_shm(self) -> None:
+        """Free the shm windows and the node/rail splits; the route falls back to MPI."""
         if self._shm is not None:
             self._shm.free()
             self._shm = None
-        self._shm_range = (0, -1)
+        if self._hier is not None:
+            self._hier.free()
+            self._hier = None
+        self._route = Route(manual_bands("mpi", 0, 0, "the default"))
 
     def _unstage(self, stage: np.ndarray, out: Any, avg: bool) -> Any:
         size = self.size
@@ -268,7 +360,8 @@ class MPITransport:
         """Reduce ``send`` (``n * size``) over the group; block ``rank`` lands in ``recv``."""
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
-        self._check2("reduce_scatter", send, recv, self.size, 1)
+        if (staged := self._check2("reduce_scatter", send, recv, self.size, 1, op)) is not None:
+            return staged
         plan = self._types.plan(send.dtype, op, "reduce_scatter")
         seq = self._next()
         if recv.size == 0:
@@ -291,7 +384,8 @@ class MPITransport:
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
-        self._check2("all_gather", send, recv, 1, self.size)
+        if (staged := self._check2("all_gather", send, recv, 1, self.size)) is not None:
+            return staged
         seq = self._next()
         if send.size == 0:
             return DONE
@@ -308,7 +402,8 @@ class MPITransport:
         check_peer("broadcast", root, self.size, what="root")
         if not _plain(buf, self._move):
             check_buffers("broadcast", self.size, buf)
-            _on_host("broadcast", buf)
+            if (staged := self._staged("broadcast", (buf,), (0,), root)) is not None:
+                return staged
         seq = self._next()
         if buf.size == 0 or self.size == 1:
             return DONE
@@ -318,7 +413,8 @@ class MPITransport:
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         """Send block ``r`` of ``send`` to rank ``r``; block ``r`` of ``recv`` comes from r."""
-        self._check2("all_to_all", send, recv, self.size, self.size)
+        if (staged := self._check2("all_to_all", send, recv, self.size, self.size)) is not None:
+            return staged
         seq = self._next()
         if send.size == 0:
             return DONE
@@ -339,25 +435,28 @@ class MPITransport:
 
     # -- point to point ------------------------------------------------------------------
 
-    def _check_p2p(self, op: str, buf: Any, peer: int, tag: int) -> None:
+    def _check_p2p(self, op: str, buf: Any, peer: int, tag: int) -> Work | None:
         check_peer(op, peer, self.size)
         if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self._tag_ub:
             raise ConfigError(f"{op}: tag {tag!r} is outside 0..{self._tag_ub}, the tags this "
                               f"MPI library allows; use a smaller non-negative tag")
         if not _plain(buf, self._move):
             check_buffers(op, self.size, buf)
-            _on_host(op, buf)
+            return self._staged(op, (buf,), (0,) if op == "recv" else (), peer, tag)
+        return None
 
     def send(self, buf: Any, peer: int, tag: int) -> Work:
         """Send ``buf`` to ``peer`` (a rank of this group) with ``tag``."""
-        self._check_p2p("send", buf, peer, tag)
+        if (staged := self._check_p2p("send", buf, peer, tag)) is not None:
+            return staged
         t = self._types
         req = self._comm.Isend([t.view(buf), t.move[buf.dtype]], dest=int(peer), tag=int(tag))
         return MPIWork(req, self, ("send", int(peer), int(tag)), self._next(), keep=buf)
 
     def recv(self, buf: Any, peer: int, tag: int) -> Work:
         """Receive into ``buf`` from ``peer`` with ``tag``; the sender's size must match."""
-        self._check_p2p("recv", buf, peer, tag)
+        if (staged := self._check_p2p("recv", buf, peer, tag)) is not None:
+            return staged
         t = self._types
         req = self._comm.Irecv([t.view(buf), t.move[buf.dtype]], source=int(peer), tag=int(tag))
         return MPIWork(req, self, ("recv", int(peer), int(tag)), self._next(), keep=buf)
@@ -379,8 +478,12 @@ class MPITransport:
         every = np.empty(2 * self.size, np.int64)
         self.all_gather(mine, every).wait()
         comm = self._comm.Split(int(color), int(key))
-        return MPITransport(comm, MPI=self._MPI, timeout=self.timeout, types=self._types,
-                            label=f"split(color={color}) of {self.label}")
+        child = MPITransport(comm, MPI=self._MPI, timeout=self.timeout, types=self._types,
+                             label=f"split(color={color}) of {self.label}")
+        if self._planner is not None:  # the cost model plans every group it splits into
+            child.set_all_reduce_policy(algorithm="auto", planner=self._planner,
+                                        cap_bytes=self._cap)
+        return child
 
     def finalize(self) -> None:
         """Release this transport: shared windows and a split's communicator are freed.

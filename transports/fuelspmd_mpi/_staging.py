@@ -1,0 +1,183 @@
+"""GPU buffers on the MPI transport: passed straight to a CUDA-aware MPI, else staged.
+
+A buffer is a device buffer when it exposes ``__cuda_array_interface__`` (cupy, numba,
+torch's CUDA tensors); anything else (numpy, or a host array with only ``__dlpack__``) is
+never staged and goes through the transport's host path and checks as before.
+
+Whether the MPI library reads device memory itself is asked of the library, in this order:
+
+1. MPI 4.1's memory allocation kinds: ``mpi_memory_alloc_kinds`` in COMM_WORLD's info
+   lists ``cuda`` (MPICH >= 4.2 and Open MPI >= 5 report it when built with CUDA; the PyPI
+   ``mpich`` wheel reports "mpi,system");
+2. Open MPI: ``ompi_info --parsable --all`` says ``mpi_built_with_cuda_support:value:true``;
+3. MPICH: its configure line has ``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0.
+
+CUDA-aware: the device buffer is handed to MPI as it is (mpi4py reads
+``__cuda_array_interface__``), after the current stream is synchronised so MPI reads
+finished data. 16-bit float reductions are staged even then: the transport reduces them in
+a float32 host copy. Not CUDA-aware: each device buffer is copied into pinned host memory
+(cupy's pinned memory pool: page-locked, so the copy runs at full PCIe/NVLink-C2C speed),
+the transport runs the operation on the host copies, and when its Work completes the
+results are copied back to the device buffers (:class:`StagedWork`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.errors import DeviceError
+from fuelspmd.transport import Work
+
+__all__ = ["StagedWork", "cuda_aware", "detect_cuda_aware", "is_device", "stage"]
+
+
+def is_device(buf: Any) -> bool:
+    """Whether ``buf`` lives in GPU memory (it exposes ``__cuda_array_interface__``)."""
+    return not isinstance(buf, np.ndarray) and hasattr(buf, "__cuda_array_interface__")
+
+
+def detect_cuda_aware(*, alloc_kinds: str | None, library_version: str,
+                      env: Mapping[str, str], ompi_info: Callable[[], str] | None = None
+                      ) -> tuple[bool, str]:
+    """Decide from what the library reports whether it is CUDA-aware; return (answer, why).
+
+    ``alloc_kinds`` is COMM_WORLD's ``mpi_memory_alloc_kinds`` info value (None when the
+    library does not set it), ``library_version`` is ``MPI_Get_library_version``'s text,
+    ``ompi_info`` returns ``ompi_info --parsable --all``'s output (asked only for Open MPI).
+    """
+    if alloc_kinds is not None:
+        kinds = [k.strip().split(":")[0] for k in alloc_kinds.split(",")]
+        if "cuda" in kinds:
+            return True, f"mpi_memory_alloc_kinds={alloc_kinds!r} lists cuda"
+    if "Open MPI" in library_version and ompi_info is not None:
+        text = ompi_info()
+        if "mpi_built_with_cuda_support:value:true" in text:
+            return True, "ompi_info: mpi_built_with_cuda_support:value:true"
+        return False, "ompi_info: Open MPI built without CUDA support"
+    if "MPICH" in library_version:
+        if "--with-cuda" not in library_version:
+            return False, "MPICH configured without --with-cuda"
+        if env.get("MPIR_CVAR_ENABLE_GPU", "1").strip() == "0":
+            return False, "MPICH built with CUDA, but MPIR_CVAR_ENABLE_GPU=0"
+        return True, "MPICH configured --with-cuda (MPIR_CVAR_ENABLE_GPU not 0)"
+    return False, f"no CUDA support reported (mpi_memory_alloc_kinds={alloc_kinds!r})"
+
+
+def _ompi_info() -> str:
+    exe = shutil.which("ompi_info")
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "--parsable", "--all"], capture_output=True, text=True,
+                              timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout
+
+
+def cuda_aware(MPI: Any) -> tuple[bool, str]:
+    """Ask the initialised MPI library whether it takes device buffers; (answer, why)."""
+    info = MPI.COMM_WORLD.Get_info()
+    try:
+        kinds = info.Get("mpi_memory_alloc_kinds")
+    finally:
+        info.Free()
+    return detect_cuda_aware(alloc_kinds=kinds, library_version=str(MPI.Get_library_version()),
+                             env=os.environ, ompi_info=_ompi_info)
+
+
+class StagedWork:
+    """The Work of an operation run on host copies: on completion the copies go back.
+
+    ``copy_back`` runs once, when the inner Work is first seen complete (by ``test`` or
+    ``wait``), on the thread that saw it.
+    """
+
+    __slots__ = ("_copy_back", "_inner")
+
+    def __init__(self, inner: Work, copy_back: Callable[[], None]) -> None:
+        self._inner = inner
+        self._copy_back: Callable[[], None] | None = copy_back
+
+    def _done(self) -> bool:
+        back, self._copy_back = self._copy_back, None
+        if back is not None:
+            back()
+        return True
+
+    def test(self) -> bool:
+        """Return whether the operation (and the copy back) completed; never blocks."""
+        if self._copy_back is None:
+            return True
+        return self._inner.test() and self._done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the operation (CommTimeoutError as its Work gives it), then copy back."""
+        if self._copy_back is None:
+            return
+        self._inner.wait(timeout)
+        self._done()
+
+
+def _pinned_copy(buf: Any) -> np.ndarray:
+    """Copy device array ``buf`` into a pinned host array (cupy's pinned memory pool)."""
+    import cupy
+
+    mem = cupy.cuda.alloc_pinned_memory(max(1, buf.nbytes))
+    host = np.frombuffer(mem, buf.dtype, buf.size).reshape(buf.shape)
+    stream = cupy.cuda.get_current_stream()
+    buf.get(out=host, stream=stream)
+    stream.synchronize()
+    return host
+
+
+def _copy_into(dev: Any, host: np.ndarray) -> None:
+    import cupy
+
+    dev.set(host)
+    cupy.cuda.get_current_stream().synchronize()  # the pinned buffer may be reused after
+
+
+def stage(method: Callable[..., Work], bufs: Sequence[Any], outs: Sequence[int],
+          *extra: Any, op: str, aware: Callable[[], bool]) -> Work | None:
+    """Run ``method(*bufs, *extra)`` for device ``bufs``; None means "proceed as it is".
+
+    ``outs`` are the indices of the buffers the operation writes. Returns None for host
+    buffers (the caller goes on) and, when ``aware()`` (asked only for device buffers)
+    says the library is CUDA-aware, for device buffers too once their stream is
+    synchronised. Otherwise stages: returns a StagedWork. Raises
+    DeviceError for a buffer that is neither numpy nor a device array, and for a mix.
+    """
+    device = [is_device(b) for b in bufs]
+    if not any(device):
+        for b in bufs:
+            if not isinstance(b, np.ndarray):
+                raise DeviceError(
+                    f"{op}: the MPI transport takes numpy or GPU (cupy) buffers, got "
+                    f"{type(b).__module__}.{type(b).__name__}; move it to the host first "
+                    f"(fuelspmd.backend.to_host)")
+        return None
+    if not all(device):
+        raise DeviceError(f"{op}: one operation mixes host and GPU buffers; move them to "
+                          f"one device first")
+    import cupy
+
+    sixteen = any(str(b.dtype) in ("float16", "bfloat16") for b in bufs)
+    if not sixteen and aware():
+        cupy.cuda.get_current_stream().synchronize()
+        return None
+    hosts = [_pinned_copy(b) for b in bufs]
+    work = method(*hosts, *extra)
+    pairs = [(bufs[i], hosts[i]) for i in outs]
+
+    def copy_back() -> None:
+        for dev, host in pairs:
+            _copy_into(dev, host)
+
+    return StagedWork(work, copy_back)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,8 @@ from fuelspmd.backend import device as as_device
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.comm.guarded import GuardedTransport
 from fuelspmd.comm.recorder import Recorder
-from fuelspmd.errors import ConfigError, TransportUnavailableError
+from fuelspmd.cost.policy import planner_for
+from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
 from fuelspmd.launch.places import (
     LaunchInfo,
@@ -179,6 +181,8 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     world.local_rank = local_rank(world.nodes, launcher_local, seam.rank, info.launcher)
     world.device = _pick_device(device, world.local_rank, seam)
     world.threads = _share_cores(world.local_size)
+    if seam.size > 1 and hasattr(seam, "set_all_reduce_policy"):
+        _plan_all_reduce(world)
     if seam.size > 1:
         world._watch = PeerWatch.start(world, timeout)
     _WORLD = world
@@ -237,6 +241,26 @@ def _startup_deadline(info: LaunchInfo, timeout: float) -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _plan_all_reduce(world: World) -> None:
+    """Let the calibrated cost model choose the transport's all-reduce per size.
+
+    Collective. The plan comes from this machine's calibration (``fuelspmd bench
+    calibrate``; defaults without one) and the detected topology; the transport checks that
+    every rank planned the same bands. Ranks that read different calibration files do not
+    (each has its own view), and since they all judge the same gathered table they all
+    fall back to MPI's own all-reduce together, with a warning naming the fix.
+    ``$FUELSPMD_ALL_REDUCE=mpi`` turns the choice off.
+    """
+    try:
+        world.transport.set_all_reduce_policy(  # type: ignore[attr-defined]
+            algorithm="auto", planner=planner_for(world))
+    except CollectiveMismatchError as e:
+        warnings.warn(f"fs.init: the ranks planned different all-reduce algorithms ({e}); "
+                      "using MPI's own all-reduce. Give every rank the same calibration "
+                      "file ($FUELSPMD_CALIBRATION)", RuntimeWarning, stacklevel=3)
+        world.transport.set_all_reduce_policy(algorithm="mpi")  # type: ignore[attr-defined]
 
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

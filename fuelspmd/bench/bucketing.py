@@ -14,7 +14,11 @@ a barrier and timed on the slowest rank:
   them into buckets (one transport call per bucket) and splits the results back out;
 - ``floor``: raw ``Allreduce(IN_PLACE)`` calls on buffers already holding whole buckets
   (no concatenation, no split, no graph): the best any bucketing can do on this machine,
-  as the transport's bandwidth at the bucket size sets it.
+  as the transport's bandwidth at the bucket size sets it;
+- ``floor_fs``: the same whole-bucket calls through the fuelspmd transport
+  (``all_reduce(buf).wait()``, non-blocking MPI polled to completion): ``bucketed`` minus
+  ``floor_fs`` is what the graph costs (building the nodes, the copy into the bucket, the
+  views out), ``floor_fs`` minus ``floor`` what the transport costs.
 
 ``ratio`` = candidate time / mpi4py time, the median of the paired per-round ratios
 (target for ``bucketed``: at most 0.5). Results are checked against numpy once.
@@ -47,7 +51,7 @@ def _max_over_ranks(t: Transport, values: list[float]) -> list[float]:
 
 def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
         ) -> dict[str, Any]:
-    """Time the three candidates; return their medians and ratios (same on every rank)."""
+    """Time the candidates; return their medians and ratios (the same on every rank)."""
     from mpi4py import MPI
 
     mpi = getattr(t, "comm", None)
@@ -70,6 +74,12 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
         for b in whole:
             mpi.Allreduce(MPI.IN_PLACE, b, MPI.SUM)
 
+    whole_fs = [b.copy() for b in whole]  # its own buffers, as every candidate has
+
+    def floor_fs() -> None:
+        for b in whole_fs:
+            t.all_reduce(b, ReduceOp.SUM).wait()
+
     leaves = [tensor(b) for b in bufs]  # made once, as parameters are
 
     def lazy(comm: Communicator) -> Callable[[], None]:
@@ -83,7 +93,8 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
         raise RuntimeError("bucketed all_reduce gave a wrong result")
     for b in bufs:
         b[...] = 0.0  # zeros stay zeros under raw in-place sums, round after round
-    cands = {"mpi4py": raw, "lazy": lazy(plain), "bucketed": lazy(fused), "floor": floor}
+    cands = {"mpi4py": raw, "lazy": lazy(plain), "bucketed": lazy(fused), "floor": floor,
+             "floor_fs": floor_fs}
     for fn in cands.values():
         fn()
 
@@ -131,7 +142,7 @@ def main(argv: list[str]) -> int:
         print_json({"bench": "bucketing", **res})
         return 0
     rows = [{"what": k, "ms": res[f"{k}_ms"], "ratio": res[f"{k}_ratio"]}
-            for k in ("mpi4py", "lazy", "bucketed", "floor")]
+            for k in ("mpi4py", "lazy", "bucketed", "floor", "floor_fs")]
     print_table(f"{res['count']} all_reduces of {res['bytes']} B, {res['ranks']} ranks, "
                 f"bucket {res['bucket_bytes']} B (median of {res['rounds']} rounds, slowest "
                 "rank; ratio = time / mpi4py time)",

@@ -32,7 +32,7 @@ from fuelspmd.graph.op import Attrs, Op, register
 from fuelspmd.tensor import Tensor
 from fuelspmd.transport import DONE, ReduceOp
 
-__all__ = ["Pending"]
+__all__ = ["ALL_REDUCE", "Pending"]
 
 Rule = tuple[Shape, DType, Device]
 
@@ -60,10 +60,10 @@ def _kernel(start: Callable[..., Pending]) -> Callable[..., Any]:
 
 def _collective(name: str, rule: Callable[..., Rule], start: Callable[..., Pending],
                 vjp: Callable[..., Any] | None, *, inplace: bool = False,
-                bucket: Callable[..., Pending] | None = None) -> None:
-    register(Op(name, rule, _kernel(start), vjp, inplace_ok=(0,) if inplace else None,
-                effectful=True, start=start, bucket=bucket,
-                bucket_bytes=(lambda attrs: attrs[0].bucket_bytes) if bucket else None))
+                bucket: Callable[..., Pending] | None = None) -> Op:
+    return register(Op(name, rule, _kernel(start), vjp, inplace_ok=(0,) if inplace else None,
+                       effectful=True, start=start, bucket=bucket,
+                       bucket_bytes=(lambda attrs: attrs[0].bucket_bytes) if bucket else None))
 
 
 # ---- staging ------------------------------------------------------------------------------
@@ -157,14 +157,21 @@ def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) ->
 
 def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
     """Several all_reduces in one transport call: concatenate flat (the one copy the
-    in-place op needs anyway), reduce, and hand out views of the result."""
+    in-place op needs anyway) into the communicator's spare bucket (reused step after
+    step once no result of the last step is held), reduce, and hand out views of the
+    result: nothing is copied out. Per member the Python is a few list entries (measured:
+    about half the time of the 4 MiB concatenation for 256 members of 16 KiB)."""
     comm, rop = attrs[0], attrs[2]
     lib = _lib(be)
-    parts = [x.reshape(-1) for x in xs] if be.kind == "cpu" else [
-        _host(be, x).reshape(-1) for x in xs]
+    if be.kind == "strict":
+        xs = [_host(be, x) for x in xs]
+    shapes = [x.shape for x in xs]
+    parts = [x if len(shp) == 1 else x.reshape(-1) for x, shp in zip(xs, shapes)]
+    del xs  # the transport reads the bucket, not the inputs: let them go
     sizes = [p.size for p in parts]
     flat = _spare(comm, (sum(sizes),), parts[0].dtype) if lib is np else None
     flat = lib.concatenate(parts, out=flat)
+    del parts
     if comm._shared is not None and be.kind != "cuda":
         flat, work = comm._shared(flat, rop, comm.timeout), DONE
     else:
@@ -172,14 +179,16 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
 
     def split() -> list[Any]:
         outs, lo = [], 0
-        strict = be.kind == "strict"
-        for x, n in zip(xs, sizes):
-            part = flat[lo:lo + n].reshape(x.shape)
-            outs.append(_back(be, part) if strict else part)
-            lo += n
+        for shp, n in zip(shapes, sizes):
+            hi = lo + n
+            part = flat[lo:hi] if len(shp) == 1 else flat[lo:hi].reshape(shp)
+            outs.append(part)
+            lo = hi
+        if be.kind == "strict":
+            return [_back(be, part) for part in outs]
         return outs
 
-    return Pending(comm, work, split, len(xs))
+    return Pending(comm, work, split, len(shapes))
 
 
 def _vjp_all_reduce(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
@@ -188,8 +197,8 @@ def _vjp_all_reduce(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node 
     return (comm.all_reduce(Tensor(g), rop).node, *_rest(node))
 
 
-_collective("comm.all_reduce", _same_rule, _all_reduce, _vjp_all_reduce, inplace=True,
-            bucket=_all_reduce_bucket)
+ALL_REDUCE = _collective("comm.all_reduce", _same_rule, _all_reduce, _vjp_all_reduce,
+                         inplace=True, bucket=_all_reduce_bucket)
 
 
 # ---- all_gather / reduce_scatter ----------------------------------------------------------

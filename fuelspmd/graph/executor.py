@@ -6,6 +6,14 @@ then hands each target its buffer and drops its inputs. Live bytes are counted a
 runs: buffers the executor allocated and still holds (in use or pooled for a later step);
 leaves, which belong to the caller, are not counted. ``peak_bytes`` of the last run is on
 the :class:`Executor`.
+
+The direct path: when the targets need nothing but collectives of realised values (a
+step's gradient all_reduces after its backward was realised, ``x = comm.all_reduce(x)``),
+there is nothing to optimise, and lowering plus the plan-cache key would cost more than
+the collectives themselves (for 256 small all_reduces, more than the one bucketed call).
+They are issued straight from the nodes, in the planner's order and under its bucket
+rule (:func:`~fuelspmd.graph.plan.joins_bucket`); such a realise is not a plan run, so it
+leaves ``runs``, ``peak_bytes`` and the cache counters as they were.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from fuelspmd.backend import get_backend
 from .fused import run_generic
 from .node import Node, mark_realised
 from .passes import lower, optimise
-from .plan import Plan, Step, make_plan
+from .plan import Plan, Step, joins_bucket, make_plan
 
 __all__ = ["Executor", "PlanCache", "default_executor", "realize"]
 
@@ -100,6 +108,110 @@ def _dead_leaf(x: Node) -> bool:
             and sys.getrefcount(buf) <= 3 and buf.flags.writeable and buf.flags.c_contiguous)
 
 
+def _direct(targets: list[Node]) -> list[Node] | None:
+    """The collectives to issue, in order, when ``targets`` need nothing else run.
+
+    That is when every unrealised node under the targets is a collective whose data
+    inputs are realised (the gradients' all_reduces after the backward was realised, a
+    parameter's broadcast, ``x = comm.all_reduce(x)``): there is nothing to optimise or
+    plan, so lowering, the plan-cache key and the step loop are skipped. A collective's
+    other inputs are order tokens, each the previous unrealised collective of its
+    communicator, so walking the token chain back from each target and emitting it oldest
+    first is the order :func:`~fuelspmd.graph.passes.lower` would give (creation order per
+    communicator, targets in the order given). Returns None as soon as any other node is
+    met; the planner then handles the graph.
+    """
+    order: list[Node] = []
+    seen: set[Node] = set()  # nodes hash by identity
+    for node in targets:
+        chain: list[Node] = []
+        cur: Node | None = node
+        while cur is not None and cur not in seen:
+            if cur.op.start is None:
+                return None
+            k = cur.attrs[1]
+            prev = None
+            for x in cur.inputs:
+                if x.buffer is None:
+                    if k > 0 or prev is not None:
+                        return None
+                    prev = x
+                k -= 1
+            seen.add(cur)
+            chain.append(cur)
+            cur = prev
+        chain.reverse()
+        order += chain
+    return order
+
+
+def _inputs_realised(node: Node) -> bool:
+    for x in node.inputs:
+        if x.buffer is None:
+            return False
+    return True
+
+
+def _run_direct(order: list[Node], backends: dict[str, Any]) -> None:
+    """Issue the collectives of ``order`` as the planner would schedule them: each starts
+    in turn (its inputs are ready), one operation in flight per communicator (a start
+    first finishes the previous one there), the rest finished at the end in start order,
+    so two communicators' collectives overlap. Runs that
+    :func:`~fuelspmd.graph.plan.joins_bucket` admits are one ``bucket`` call whose results
+    are views of one reduced buffer. A node is marked realised when its operation finishes.
+
+    A lone collective may overwrite its input when that input is a leaf nothing else can
+    see (:func:`_dead_leaf`); a bucket copies its inputs into the bucket anyway.
+    """
+    in_flight: dict[int, tuple[Any, list[Node]]] = {}  # id(communicator) -> (Pending, nodes)
+    todo = order[::-1]  # popped as started
+    while todo:
+        node = todo.pop()
+        op = node.op
+        be = backends.get(node.device.kind)
+        if be is None:
+            be = backends[node.device.kind] = get_backend(node.device.kind)
+        run = [node]
+        size = math.prod(node.shape) * node.dtype.itemsize if todo else 0
+        while op.bucket is not None and todo:
+            fit = joins_bucket(node, todo[-1], size)
+            if fit < 0:
+                break
+            run.append(todo.pop())
+            size = fit
+        comm = id(node.attrs[0])
+        prev = in_flight.pop(comm, None)
+        if prev is not None:
+            _finish(*prev)
+        if len(run) > 1:
+            k = node.attrs[1]
+            data = ([m.inputs[0].buffer for m in run] if k == 1 else
+                    [x.buffer for m in run for x in m.inputs[:k]])
+            in_flight[comm] = (op.bucket(be, node.attrs, data), run)
+            del data
+        else:
+            ins = node.inputs
+            donate = bool(op.inplace_ok) and bool(ins) and _dead_leaf(ins[0])
+            args = [x.buffer for x in ins]
+            del ins
+            pending = (op.start(be, node.attrs, *args, donate=True) if donate
+                       else op.start(be, node.attrs, *args))
+            del args
+            in_flight[comm] = (pending, run)
+        del run
+    for pending, run in in_flight.values():
+        _finish(pending, run)
+
+
+def _finish(pending: Any, run: list[Node]) -> None:
+    """Wait for a started collective (or bucket) and mark its nodes realised."""
+    if len(run) == 1:
+        mark_realised(run[0], pending.finish())
+        return
+    for m, arr in zip(run, pending.finish()):
+        mark_realised(m, arr)
+
+
 class _Memory:
     """Buffers of one run: a pool of released ones by (elements, dtype), and live bytes."""
 
@@ -141,6 +253,8 @@ class Executor:
         self.peak_bytes = 0      # live-bytes peak of the last run
         self.allocations = 0     # buffers the last run allocated (pool reuses not counted)
         self.runs = 0
+        # device kind -> Backend, for the direct path (a Backend is a stateless view)
+        self._backends: dict[str, Any] = {}
 
     def plan(self, targets: list[Node]) -> tuple[Plan, list[Node]]:
         """Return the plan of ``targets`` (from the cache when the structure was seen).
@@ -175,25 +289,20 @@ class Executor:
 
     def realize(self, nodes: Iterable[Node]) -> None:
         """Compute every unrealised node of ``nodes`` as one graph."""
-        targets = list({id(n): n for n in nodes if n.buffer is None}.values())
+        if type(nodes) is list and len(nodes) == 1:  # Tensor.realize: skip the dedup
+            targets = [nodes[0]] if nodes[0].buffer is None else []
+        else:
+            targets = list({id(n): n for n in nodes if n.buffer is None}.values())
         if not targets:
             return
-        if len(targets) == 1:
-            t = targets[0]
-            if t.op.effectful and t.op.kernel is not None and all(
-                    x.buffer is not None for x in t.inputs):
-                # one collective over realised values (a parameter's all_reduce): nothing to
-                # optimise or plan; its input is donated only when no one else can see it
-                be = get_backend(t.device.kind)
-                ins = t.inputs
-                donate = bool(t.op.inplace_ok) and _dead_leaf(ins[0])
-                args = [x.buffer for x in ins]
-                del targets, ins
-                out = (t.op.kernel(be, t.attrs, *args, donate=True) if donate
-                       else t.op.kernel(be, t.attrs, *args))
-                del args
-                mark_realised(t, out)
-                return
+        t = targets[0]
+        if len(targets) == 1 and t.op.start is not None and _inputs_realised(t):
+            order: list[Node] | None = targets  # one collective over realised values
+        else:
+            order = _direct(targets)
+        if order is not None:
+            _run_direct(order, self._backends)
+            return
         plan, leaves = self.plan(targets)
         arrays = self.run(plan, leaves)
         for node, arr in zip(targets, arrays):

@@ -15,6 +15,7 @@ attributes. Effectful ops are never merged.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -51,10 +52,7 @@ class Node:
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def __repr__(self) -> str:
         state = "realised" if self.buffer is not None else f"{len(self.inputs)} inputs"

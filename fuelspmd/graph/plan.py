@@ -33,7 +33,7 @@ from fuelspmd.dtypes import DType, to_numpy
 from .fused import NumpyFused, Program, build_program, cupy_kernel, scalar_for
 from .passes import Instr
 
-__all__ = ["Plan", "Step", "make_plan"]
+__all__ = ["Plan", "Step", "joins_bucket", "make_plan"]
 
 PoolKey = tuple[int, DType]
 
@@ -219,22 +219,38 @@ def _buckets(ir: list[Instr], steps: list[Step]) -> list[Step]:
     for s in steps:
         op = s.instr.op
         if s.kind == "collective" and op.bucket is not None and op.bucket_bytes is not None:
-            nbytes = s.instr.size * s.instr.dtype.itemsize
-            head = run[0].instr if run else None
-            if not (head is not None and head.op is op and head.attrs == s.instr.attrs
-                    and head.dtype is s.instr.dtype and head.device == s.instr.device
-                    and run_bytes + nbytes <= op.bucket_bytes(s.instr.attrs)
-                    and not any(u in members for u in s.ins[:s.instr.attrs[1]])):
+            fit = joins_bucket(run[0].instr, s.instr, run_bytes) if run else -1
+            if fit < 0 or any(u in members for u in s.ins[:s.instr.attrs[1]]):
                 close()
+                fit = s.instr.size * s.instr.dtype.itemsize
             run.append(s)
             members.add(s.out)
-            run_bytes += nbytes
+            run_bytes = fit
             continue
         if s.kind == "collective" or any(u in members for u in s.ins):
             close()
         out.append(s)  # with a run open, it runs before the bucket: it reads no member
     close()
     return out
+
+
+def joins_bucket(head: Any, x: Any, run_bytes: int) -> int:
+    """The bytes of the bucket opened by ``head`` (holding ``run_bytes``) once collective
+    ``x`` joins it, or -1 when ``x`` may not join: it must be the same bucketable op with
+    equal attributes (one communicator, one reduce op), dtype and device, and the bucket
+    must stay within the op's size.
+
+    ``head`` and ``x`` are IR values or graph nodes (both carry op, attrs, shape, dtype and
+    device): the planner and the executor's direct path bucket by this one rule.
+    """
+    op = x.op
+    if not (head.op is op and op.bucket_bytes is not None
+            and (head.attrs is x.attrs or head.attrs == x.attrs)  # a communicator shares one
+            and head.dtype is x.dtype
+            and (head.device is x.device or head.device == x.device)):
+        return -1
+    total = run_bytes + math.prod(x.shape) * x.dtype.itemsize
+    return total if total <= op.bucket_bytes(x.attrs) else -1
 
 
 def _overlap(steps: list[Step]) -> list[Step]:

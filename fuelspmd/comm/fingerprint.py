@@ -40,9 +40,11 @@ REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
 FIELDS = ("seq", "op", "shape", "dtype", "reduce_op", "root", "group", "src", "dst", "tag")
 NONE = -1
 
-# slots of the encoded array
-SEQ, OP, COUNT, NDIM, DIM0, SHAPE_HASH, DTYPE, REDUCE, ROOT, GROUP, SRC, DST, TAG, CSEQ = (
-    0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+# slots of the encoded array. SEQ is last and CSEQ next to it: everything before them is
+# what two agreeing operations of the same kind share exactly, so the guard compares it as
+# one run of bytes, beside CSEQ, and ignores SEQ (which legitimately differs)
+OP, COUNT, NDIM, DIM0, SHAPE_HASH, DTYPE, REDUCE, ROOT, GROUP, SRC, DST, TAG, CSEQ, SEQ = (
+    0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 FP_LEN = 17
 _SLOTS = {"seq": (CSEQ,), "op": (OP,), "shape": tuple(range(COUNT, SHAPE_HASH + 1)),
           "dtype": (DTYPE,), "reduce_op": (REDUCE,), "root": (ROOT,), "group": (GROUP,),

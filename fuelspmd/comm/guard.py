@@ -1,172 +1,109 @@
 """The collective guard: ranks that disagree on an operation raise, they never hang.
 
-Before a rank issues an operation to its Transport, :meth:`Guard.check` sends the
-operation's :class:`~fuelspmd.comm.fingerprint.Fingerprint` to every other participant
-over a CONTROL channel (a private ``split`` of the transport, so control messages never
-match data) and compares it with theirs.
+Every guarded operation's :class:`~fuelspmd.comm.fingerprint.Fingerprint` (op, collective
+number, shape, dtype, reduce op, root, group; for send/recv also src, dst, tag) is sent to
+every other participant over a CONTROL channel (a private ``split`` of the transport, so
+control messages never match data) and compared with theirs. How the per-pair streams
+are matched, and why that cannot hang, is in :mod:`fuelspmd.comm.streams`.
 
-Why it cannot hang. Per ordered pair of ranks (p, q) the control messages form one
-ordered stream (MPI's non-overtaking rule on one communicator and tag): every op p issues
-that involves q puts one descriptor on it, in issue order. Each rank keeps one receive
-posted per peer, so whatever a peer did next is what arrives, and the comparison is
-immediate:
+What ``default`` mode (the mode ``fs.init()`` uses) guarantees, exactly:
 
-- a collective is a *fence*: it is matched against the peer's next collective, and both
-  sides must have matched every send/recv they exchanged before it;
-- a send is matched with the peer's recv in the order each side issued them (likewise a
-  recv), so the two directions of a pair may interleave freely (a 2-rank swap written
-  ``send; recv`` on both ranks is fine) but a skipped send or recv is seen as soon as the
-  peer reaches its next collective, or the first time the pair's descriptors disagree on
-  peer, tag, shape or dtype;
-- in ``default`` mode the descriptor is sent and the operation issued at once; the
-  comparison completes while the operation is waited on, before its result is released
-  (``wait`` raises instead of returning). No extra round trip is added to the critical
-  path, which is what keeps the guard within 2% of a 1 MiB all_reduce. A mismatched
-  collective is then briefly in flight: MPI reports a size mismatch as an error (which
-  the guard replaces by the mismatch it explains) and never writes past a buffer, and a
-  mismatched pair that would never complete is seen on the control streams, which are
-  polled throughout the wait. The job must end after a mismatch anyway (the data
-  communicator is left with an operation in flight). ``debug`` mode compares a
-  collective's descriptors *before* issuing it, so a mismatched collective never reaches
-  the transport;
-- a send/recv is matched while it is waited on in every mode (a recv is released only
-  once the sender's descriptor agrees), so a ring of sends-then-receives does not turn
-  into a rendezvous deadlock.
+1. ``wait`` on a guarded collective returns only after this rank has compared its
+   descriptor with the matching collective descriptor of every other rank of the group,
+   and they agree; ``wait`` on a recv, only after the sender's matching send descriptor
+   agrees. The comparison is per operation, not batched: no result is released before it
+   is checked. ``wait`` on a send returns once the data is sent; the send's descriptor is
+   compared with the peer's recv as the streams move, at the latest when either rank
+   waits on the group's next collective (which then raises).
+2. If two descriptors disagree, ``wait`` raises :class:`CollectiveMismatchError` instead of
+   returning, on every rank of the group: the rank that sees it first sends an *abort*
+   carrying both descriptors to every other rank before raising, and a rank that is
+   waiting in the guard sees it within one poll (at most ``_SLICE_S`` = 50 ms while its
+   own data operation is still running), a rank that enters the guard later raises at its
+   next guarded operation. Every rank's message names both ranks, the collective number
+   and every differing field with both values.
+3. The descriptor goes out together with the data operation (just before it for an
+   all_reduce that repeats an accepted one, just after it otherwise, so that a caller's
+   mistake in a buffer raises from the transport before anything is sent), not ahead of
+   a comparison: a mismatched collective has already been issued when it is found (MPI
+   then either completes it with meaningless data, which is never released, or reports an
+   error such as a truncation, which the guard replaces by the mismatch that explains it,
+   waiting up to 2 s for the descriptors). The data communicator is left unusable after a
+   mismatch: the job must end (invariant 3 of DESIGN.md).
+4. A rank that never issues its part (stuck in compute, dead, or waiting on something
+   else) is not a mismatch: the others wait until the guard's ``timeout`` and raise
+   :class:`CommTimeoutError`, naming the ranks whose descriptor never came and what each
+   did last; if every descriptor came and agrees but the transport still does not finish,
+   the error says so.
+5. Once the guard has failed, every later operation on it raises the same error class.
 
-The rank that finds a disagreement sends an *abort* descriptor, carrying both
-fingerprints, to every other rank of the group before it raises; a rank waiting on any
-stream sees it within one poll and raises the same :class:`CollectiveMismatchError`,
-naming both ranks, the sequence numbers and the differing fields with both values. Only a
-rank that never arrives (stuck, dead) leaves the others waiting, until the guard's
-``timeout``: :class:`CommTimeoutError` then names it.
+``debug`` mode also compares a collective's descriptors *before* issuing it (a mismatched
+collective never reaches the transport) and a CRC of every result that must be identical
+on all ranks (all_reduce, all_gather, broadcast). ``off`` records, checks nothing.
+Creating a Guard is collective over the transport (it splits the control channel). The
+flight :class:`~fuelspmd.comm.recorder.Recorder`, when given, records every operation and
+is dumped to ``trace_dir`` on a mismatch or timeout.
 
-Modes: ``default`` (the above), ``debug`` (also compares a CRC of every result that must be
-identical on all ranks: all_reduce, all_gather, broadcast), ``off`` (records, checks
-nothing). Creating a Guard is collective over the transport (it splits the control
-channel). The flight :class:`~fuelspmd.comm.recorder.Recorder`, when given, records every
-operation and is dumped to ``trace_dir`` on a mismatch or timeout.
+What it costs, and why each step sits where it does. Every microsecond of Python a rank
+runs per operation is a microsecond its peers wait (measured: 3 us of busy work before the
+issue, between issue and wait, or after completion each added 1.6-2.1% to a 200 us 1 MiB
+all_reduce at 2 ranks), and right after a 1 MiB all_reduce the interpreter and MPI run
+with cold caches, at about half speed (the guard's steps took about twice the thread CPU
+time after a 1 MiB all_reduce as after an 8 B one, load 5-8). So the hot path of a
+default-mode collective is short and makes few MPI calls: :meth:`Guard.stage` writes two
+numbers into a preallocated send slot holding the cached descriptor and records the
+operation; :meth:`Guard.post` starts the slot's persistent sends (one MPI call), for a
+repeated all_reduce just before the issue, so a peer whose data completes finds the
+descriptor already there; after completion, per peer, the head of a ring of persistent
+receives is tested (one MPI call), 15 int64s compared as bytes and the collective number
+as an int; consumed receives are restarted, and finished sends tested, four at a time.
+Anything else (a descriptor that differs, an abort, a send/recv, a slow peer, more
+collectives in flight than slots) takes the general path (:mod:`fuelspmd.comm.streams`).
+Measured figures: ``fuelspmd bench guard`` (:mod:`fuelspmd.bench.guard`).
 """
 
 from __future__ import annotations
 
 import os
-import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.comm.fingerprint import (
-    CSEQ,
-    FP_LEN,
-    OP,
-    SEQ,
-    Fingerprint,
-    describe,
-    diff,
-    group_id,
-    render,
+from fuelspmd.comm.control import Channel, Request
+from fuelspmd.comm.fingerprint import CSEQ, OP, SEQ, Fingerprint, describe, group_id
+from fuelspmd.comm.recorder import Recorder
+from fuelspmd.comm.streams import (
+    _BATCH,
+    _DEPTH,
+    _FP,
+    _KIND,
+    _MSG_CSEQ,
+    _MSG_SEQ,
+    _NO_FP,
+    _OP,
+    _RECV,
+    _SAME,
+    _SEND,
+    _SENDER,
+    _SLICE_S,
+    _SLOTS,
+    MODES,
+    MSG_LEN,
+    Peer,
+    Streams,
+    Ticket,
 )
-from fuelspmd.comm.recorder import Record, Recorder
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, ConfigError
 from fuelspmd.transport import Transport, Work
 
-__all__ = ["MODES", "Guard", "Ticket"]
-
-MODES = ("default", "debug", "off")
-_OP, _ABORT = 1, 2
-_FP = slice(2, 2 + FP_LEN)
-_OTHER = 2 + FP_LEN
-_OTHER_FP = slice(_OTHER + 1, _OTHER + 1 + FP_LEN)
-MSG_LEN = _OTHER + 1 + FP_LEN  # [kind, sender, fp, other rank, other fp]
-_TAG = 0
-# As MPIWork.wait: spin, and after 10 us yield the core between polls, so a peer sharing
-# the core runs (measured: a guard that spun 150 us before its first yield lost a whole
-# 10 ms time slice on 2-3% of its operations on 2 busy cores).
-_YIELD_AFTER_S = 1e-5
-_DEPTH = 2  # control receives kept posted per peer
-# In default mode a wait first waits on the data operation itself (the transport's own
-# tuned loop) in slices of this long, looking at the control streams between slices, so
-# a mismatched operation that never completes is still explained within a slice.
-_SLICE_S = 0.05
-_SEND, _RECV = 6, 7  # OPS.index("send"), OPS.index("recv")
-_HINT = ("every rank must issue the same collectives in the same order, and every send "
-         "must meet a recv with the same tag, shape and dtype")
+__all__ = ["MODES", "MSG_LEN", "Guard", "Ticket"]
 
 
-Post = Callable[[np.ndarray, int], tuple[Callable[[], bool], Any]]
-
-
-def _channel(control: Transport) -> tuple[Post, Post]:
-    """Return (isend, irecv) on the control transport; each gives (test, handle).
-
-    Through the Transport protocol (``send``/``recv`` -> Work) for any transport. A
-    transport that exposes its mpi4py communicator as ``comm`` (the MPI transport does) is
-    driven through ``Isend``/``Irecv`` directly: the control messages are fixed, valid
-    int64 buffers, so the transport's argument checks (about 3 us a call) buy nothing,
-    and every microsecond a rank spends before it enters the next collective is one its
-    peer spends waiting (on a busy machine, several, as the peer yields its core).
-    """
-    comm = getattr(control, "comm", None)
-    if comm is not None and hasattr(comm, "Isend") and hasattr(comm, "Irecv"):
-        def isend(buf: np.ndarray, peer: int) -> tuple[Callable[[], bool], Any]:
-            req = comm.Isend(buf, peer, _TAG)
-            return req.Test, req
-
-        def irecv(buf: np.ndarray, peer: int) -> tuple[Callable[[], bool], Any]:
-            req = comm.Irecv(buf, peer, _TAG)
-            return req.Test, req
-
-        return isend, irecv
-
-    def send(buf: np.ndarray, peer: int) -> tuple[Callable[[], bool], Any]:
-        work = control.send(buf, peer, _TAG)
-        return work.test, work
-
-    def recv(buf: np.ndarray, peer: int) -> tuple[Callable[[], bool], Any]:
-        work = control.recv(buf, peer, _TAG)
-        return work.test, work
-
-    return send, recv
-
-
-class _Peer:
-    """Control-stream state for one other rank of the group."""
-
-    __slots__ = ("coll_ok", "colls", "inbox", "last", "posted", "rank", "recv_ok", "recvs",
-                 "sends", "their_recvs", "their_sends")
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        # receives posted ahead, in order (MPI matches them in posting order)
-        self.posted: deque[tuple[Callable[[], bool], np.ndarray, Any]] = deque()
-        self.inbox: deque[np.ndarray] = deque()   # received, not yet matched, in peer order
-        self.colls: deque[np.ndarray] = deque()   # my collective awaiting the peer's
-        self.sends: deque[np.ndarray] = deque()   # my sends to the peer awaiting its recv
-        self.recvs: deque[np.ndarray] = deque()   # my recvs awaiting the peer's send
-        self.their_sends: deque[np.ndarray] = deque()  # the peer's, ahead of mine
-        self.their_recvs: deque[np.ndarray] = deque()
-        self.recv_ok = 0  # how many of my recvs from this peer have been matched
-        self.coll_ok = 0  # how many of my collectives this peer has matched
-        self.last: np.ndarray | None = None  # the peer's last matched descriptor
-
-
-class Ticket:
-    """An operation the guard let through: what :meth:`Guard.wait` needs to settle it."""
-
-    __slots__ = ("coll", "encoded", "fp", "n", "peer", "record")
-
-    def __init__(self, fp: Fingerprint, encoded: np.ndarray, record: Record | None,
-                 peer: _Peer | None, n: int, coll: bool = False) -> None:
-        self.fp, self.encoded, self.record, self.peer, self.n = fp, encoded, record, peer, n
-        self.coll = coll  # a collective: ``n`` is its ordinal among this guard's collectives
-
-
-class Guard:
-    """Check each operation's fingerprint against the other participants' before it runs."""
+class Guard(Streams):
+    """Check each operation's fingerprint against the other participants' (see the module)."""
 
     def __init__(self, transport: Transport, *, mode: str = "default", timeout: float = 600.0,
                  recorder: Recorder | None = None, group: int | None = None,
@@ -185,49 +122,167 @@ class Guard:
         self._failed_kind: type[Exception] = CollectiveMismatchError
         self._inflight: deque[tuple[Callable[[], bool], np.ndarray]] = deque()
         self._control: Transport | None = None
-        self._peers: list[_Peer | None] = []
+        self._peers: list[Peer | None] = []
+        self._colls_issued = 0
+        # collective send slots (default mode): message buffer, its fingerprint view, the
+        # persistent sends to every peer, the ordinal of the collective last sent from it
+        self._slot_buf: list[np.ndarray] = []
+        self._slot_fp: list[np.ndarray] = []
+        self._slot_reqs: list[list[Request]] = []
+        self._slot_start: list[Callable[[], None]] = []
+        self._slot_n: list[int] = []
+        self._slot_sent: list[bool] = []  # its last sends are known to have completed
+        self._batch_reqs: list[list[Request]] = []  # sends of slots k..k+_BATCH-1, k % _BATCH == 0
+        self._slot_same: list[bytes] = []
+        self._slot_tmpl: list[np.ndarray | None] = []
+        self._next_slot = 0
         if mode != "off" and self.size > 1:
             self._control = transport.split(0, transport.rank)
-            self._isend, self._irecv = _channel(self._control)
-            self._peers = [None if r == self.rank else _Peer(r) for r in range(self.size)]
+            self._channel = Channel(self._control)
+            self._peers = [None if r == self.rank else Peer(r, self._channel)
+                           for r in range(self.size)]
         self._all = [p for p in self._peers if p is not None]
         for p in self._all:
-            self._top_up(p)
-        self._colls_issued = 0
+            self._channel.startall(p.ring)
+        if self._all and mode == "default":
+            for _ in range(_SLOTS):
+                buf = np.full(MSG_LEN, -1, np.int64)
+                self._slot_buf.append(buf)
+                self._slot_fp.append(buf[_FP])
+                reqs = [self._channel.send_init(buf, p.rank) for p in self._all]
+                self._slot_reqs.append(reqs)
+                self._slot_start.append(self._channel.starter(reqs))
+                self._slot_n.append(0)
+                self._slot_sent.append(True)
+                self._slot_same.append(b"")
+                self._slot_tmpl.append(None)
+            self._batch_reqs = [[r for reqs in self._slot_reqs[k:k + _BATCH] for r in reqs]
+                                for k in range(0, _SLOTS, _BATCH)]
 
-    # -- the two calls around an operation -------------------------------------------------
+    # -- the calls around an operation -----------------------------------------------------
 
     @staticmethod
     def message(fp: Fingerprint) -> np.ndarray:
         """Return the control message that announces ``fp`` (``MSG_LEN`` int64s).
 
-        A caller that issues many alike operations may cache it and change only the
-        ``SEQ`` and ``CSEQ`` slots of ``message[2:]`` (the encoded fingerprint) per call.
+        A caller that issues many alike operations may cache it as a template: copy it and
+        set the SEQ and CSEQ slots of ``message[2:]`` (the encoded fingerprint) per call,
+        or hand it to :meth:`stage`.
         """
         msg = np.full(MSG_LEN, -1, np.int64)
-        msg[0] = _OP
+        msg[_KIND] = _OP
         msg[_FP] = fp.encode()
         return msg
 
-    def check(self, fp: Fingerprint, *, message: np.ndarray | None = None) -> Ticket:
-        """Agree on ``fp`` with the other participants; raise if any disagrees.
+    def stage(self, fp: Fingerprint, template: np.ndarray, seq: int,
+              cseq: int) -> Ticket | None:
+        """Prepare a collective for :meth:`post`: fill a send slot, record it; or None.
 
-        Sends ``fp`` to the participants and returns a Ticket; :meth:`wait` completes the
-        comparison before the operation's result is released. In ``debug`` mode a
-        collective is compared before this returns, so a mismatched collective is never
-        issued at all. ``message`` is ``Guard.message(fp)`` when the caller caches it (it
-        is sent as it is, and must not be changed afterwards); its SEQ and CSEQ slots are
-        the operation's numbers, and ``fp`` may then be a shared template.
+        Called before the data operation is issued, so that none of this runs while it
+        is in flight; :meth:`post`, right after the issue, sends it (and :meth:`unstage`,
+        if the issue raised, takes the record back). ``template`` is
+        ``Guard.message(fp)``, kept unchanged by the caller, and ``fp`` may be a shared
+        template (its numbers are ``seq`` and ``cseq``): a slot that last held the same
+        template object only gets the two numbers written. Returns None where the fast
+        path does not apply (debug or off mode, one rank, or the next slot still awaiting
+        a peer's match or its send): the caller then uses :meth:`check`. Raises at once
+        if the guard has failed or a peer is already known to be out of step.
+        """
+        if self._failed is not None:  # the group is out of step: nothing more can be agreed
+            raise self._failed_kind(f"the guard already failed: {self._failed}")
+        if not self._slot_buf:
+            return None
+        k = self._next_slot
+        n = self._slot_n[k]
+        for p in self._all:
+            if p.coll_ok < n:  # a slot is reused once every peer matched its collective
+                return None
+            if p.their_sends or p.their_recvs:  # p2p of theirs before a fence I never met
+                return None  # check() raises the mismatch
+        if not self._slot_sent[k]:  # ... and its sends completed
+            if k % _BATCH == 0 and self._channel.testall(self._batch_reqs[k // _BATCH]):
+                for j in range(k, k + _BATCH):
+                    self._slot_sent[j] = True
+            elif self._channel.testall(self._slot_reqs[k]):
+                self._slot_sent[k] = True
+            else:
+                return None
+        buf = self._slot_buf[k]
+        if self._slot_tmpl[k] is not template:
+            buf[:] = template
+            buf[_SENDER] = self.rank
+            self._slot_tmpl[k] = template
+            self._slot_same[k] = buf[_SAME].tobytes()
+        buf[_MSG_SEQ] = seq
+        buf[_MSG_CSEQ] = cseq
+        rec = self.recorder.push(fp, seq, cseq) if self.recorder is not None else -1
+        return Ticket(self, fp, self._slot_fp[k], rec, None, self._colls_issued + 1, True,
+                      self._slot_same[k], cseq, k, seq)
+
+    def post(self, ticket: Ticket) -> Ticket:
+        """Send the collective :meth:`stage` prepared to every peer; return its Ticket.
+
+        The one step between the data operation's issue and its wait: one MPI call, three
+        stores and an append per peer. The comparison happens in :meth:`wait`.
+        """
+        k = ticket.slot
+        self._slot_start[k]()
+        self._colls_issued = n = ticket.n
+        self._slot_n[k] = n
+        self._slot_sent[k] = False
+        self._next_slot = (k + 1) % _SLOTS
+        a = ticket.encoded
+        for p in self._all:
+            p.colls.append(a)
+        return ticket
+
+    def abandon(self, ticket: Ticket, error: BaseException) -> None:
+        """A posted collective whose issue raised: its descriptor is out, the operation is
+        not, so the group is out of step; the guard fails (every later operation raises)."""
+        self._fail(f"{describe(ticket.encoded)} on rank {self.rank} was announced to the "
+                   f"group but the transport refused to issue it ({type(error).__name__}: "
+                   f"{error}); the ranks are out of step and the job must end",
+                   "failed", ticket.record, RuntimeError, raise_now=False)
+
+    def unstage(self, ticket: Ticket) -> None:
+        """Forget a staged collective whose issue raised (its record is taken back)."""
+        if ticket.record >= 0 and self.recorder is not None:
+            self.recorder.unpush(ticket.record)
+
+    @property
+    def checks(self) -> bool:
+        """Whether operations are compared at all (not in off mode, nor with one rank)."""
+        return self._control is not None
+
+    def note(self, fp: Fingerprint, seq: int, cseq: int) -> Ticket:
+        """Record an operation of a guard that checks nothing (off mode, one rank)."""
+        if self._failed is not None:
+            raise self._failed_kind(f"the guard already failed: {self._failed}")
+        if self._control is not None:
+            raise RuntimeError("Guard.note on a guard that checks: use stage/post or check")
+        rec = self.recorder.push(fp, seq, cseq) if self.recorder is not None else -1
+        return Ticket(self, fp, _NO_FP, rec, None, 0, cseq=cseq, seq=seq)
+
+    def check(self, fp: Fingerprint, *, message: np.ndarray | None = None) -> Ticket:
+        """Announce ``fp`` to the participants; raise if a disagreement is already known.
+
+        Returns a Ticket; :meth:`wait` completes the comparison before the operation's
+        result is released. In ``debug`` mode a collective is compared before this
+        returns, so a mismatched collective is never issued at all. ``message`` is a
+        filled copy of ``Guard.message(fp)`` when the caller caches it (it is sent as it
+        is and must not be changed afterwards); its SEQ and CSEQ slots are the operation's
+        numbers, and ``fp`` may then be a shared template.
         """
         if self._failed is not None:  # the group is out of step: nothing more can be agreed
             raise self._failed_kind(f"the guard already failed: {self._failed}")
         msg = self.message(fp) if message is None else message
-        msg[1] = self.rank
+        msg[_SENDER] = self.rank
         a = msg[_FP]
-        rec = (self.recorder.record(fp, int(a[SEQ]), int(a[CSEQ]))
-               if self.recorder is not None else None)
+        cseq = int(a[CSEQ])
+        rec = (self.recorder.push(fp, int(a[SEQ]), cseq)
+               if self.recorder is not None else -1)
         if self._control is None:
-            return Ticket(fp, a, rec, None, 0)
+            return Ticket(self, fp, a, rec, None, 0)
         inflight = self._inflight
         while inflight and inflight[0][0]():
             inflight.popleft()
@@ -235,12 +290,11 @@ class Guard:
         if op == _SEND or op == _RECV:
             peer = fp.dst if op == _SEND else fp.src
             if peer is None or peer == self.rank:
-                return Ticket(fp, a, rec, None, 0)
+                return Ticket(self, fp, a, rec, None, 0)
             p = self._peers[int(peer)]
             if p is None:
                 raise RuntimeError(f"guard: no control stream to peer {peer}")
             self._post(msg, p.rank)
-            self._top_up(p)
             if op == _SEND:
                 p.sends.append(a)
                 n = 0
@@ -249,27 +303,26 @@ class Guard:
                 n = p.recv_ok + len(p.recvs)
             self._meet_early(p, rec)
             self._advance(p, rec)
-            return Ticket(fp, a, rec, p, n)
+            return Ticket(self, fp, a, rec, p, n)
         self._colls_issued = n = self._colls_issued + 1
         for p in self._all:
             self._post(msg, p.rank)
-            self._top_up(p)
             p.colls.append(a)
             if p.their_sends or p.their_recvs:  # it issued p2p before its fence I never met
                 self._mismatch(a, p.rank, (p.their_sends or p.their_recvs)[0], rec)
         if self.mode == "debug":
             self._drive(lambda: self._colls_matched(n), self._all, a, rec, None)
-        return Ticket(fp, a, rec, None, n, True)
+        return Ticket(self, fp, a, rec, None, n, True, None, cseq)
 
     def wait(self, ticket: Ticket, work: Work, timeout: float | None = None) -> None:
-        """Wait for ``work`` (issued after ``ticket``'s check) and, for a recv, its match."""
+        """Wait for ``work`` (issued with ``ticket``) and for its descriptors to agree."""
         rec = ticket.record
         try:
             p, n = ticket.peer, ticket.n
             if self._control is None or (p is None and not ticket.coll):
                 work.wait(timeout)
-            elif ticket.coll and self.mode == "default" and self._fast(work, n, rec):
-                pass
+            elif ticket.coll and self.mode == "default" and self._fast(work, ticket):
+                pass  # matched inline
             elif ticket.coll:
                 self._settle(work, lambda: work.test() and self._colls_matched(n),
                              lambda: self._colls_matched(n), self._all, ticket, timeout)
@@ -286,8 +339,8 @@ class Guard:
             self._fail(str(e), "mismatch" if isinstance(e, CollectiveMismatchError)
                        else "failed", rec, type(e), raise_now=False)
             raise
-        if rec is not None:
-            rec.settle("completed")
+        if rec >= 0 and self.recorder is not None:
+            self.recorder.mark(rec, "completed")
 
     def verify(self, ticket: Ticket, result: Any) -> None:
         """In debug mode, raise unless every rank holds the same ``result`` (a host array).
@@ -310,248 +363,56 @@ class Guard:
 
     # -- failure hooks ---------------------------------------------------------------------
 
-    def dump(self, directory: str | os.PathLike[str] | None = None, *,
-             reason: str = "") -> Path | None:
-        """Write the flight recorder to ``directory`` (default ``trace_dir``); None if neither."""
-        where = directory if directory is not None else self.trace_dir
-        if self.recorder is None or where is None:
-            return None
-        return self.recorder.dump(where, getattr(self.transport, "world_ranks",
-                                                 range(self.size))[self.rank], reason=reason)
-
     def close(self) -> None:
-        """Withdraw the posted control receives (the guard checks nothing afterwards)."""
-        for p in self._all:
-            for test, _, handle in p.posted:
-                cancel = getattr(handle, "cancel", None) or getattr(handle, "Cancel", None)
-                if cancel is not None and not test():
-                    cancel()
-            p.posted.clear()
+        """Withdraw the control receives and free the requests (nothing is checked after)."""
+        if self._all:
+            self._channel.retire([r for p in self._all for r in p.ring],
+                                 [r for reqs in self._slot_reqs for r in reqs])
         self._all = []
+        self._slot_buf = []
         self._control = None
         if self._failed is None:
             self._failed, self._failed_kind = "it was closed", RuntimeError
 
-    # -- the machinery ---------------------------------------------------------------------
+    # -- the fast path ---------------------------------------------------------------------
 
-    def _post(self, msg: np.ndarray, peer: int) -> None:
-        self._inflight.append((self._isend(msg, peer)[0], msg))
-
-    def _fast(self, work: Work, n: int, rec: Record | None) -> bool:
+    def _fast(self, work: Work, ticket: Ticket) -> bool:
         """The common case of a collective, inline: the data completes within one slice and
-        every peer's descriptor is in by then. Return False to take the general path."""
+        every peer's next message is the agreeing descriptor. Return False to take the
+        general path (nothing is lost: what was consumed here was fully matched)."""
         try:
             work.wait(_SLICE_S)
         except CommError:  # slow, or failed: the general path explains it
             return False
-        for p in self._all:
-            posted = p.posted
-            if posted and posted[0][0]():
+        a, n, same, rec = ticket.encoded, ticket.n, ticket.same, ticket.record
+        peers = self._all
+        arrived = False
+        if len(peers) > 1 and same is not None:  # one Testall for every peer's next message
+            arrived = self._channel.testall([p.ring[p.head] for p in peers])
+        for p in peers:
+            if p.coll_ok >= n:
+                continue
+            if (same is not None and not p.inbox and not p.sends and not p.recvs
+                    and p.colls and p.colls[0] is a):
+                head = p.head
+                if not arrived and not p.ring[head].Test():
+                    return False
+                buf = p.bufs[head]
+                p.head = (head + 1) % _DEPTH
+                p.idle += 1
+                if buf[_SAME].tobytes() == same and buf[_MSG_CSEQ] == ticket.cseq:
+                    p.last = ticket
+                    if p.idle >= _BATCH:
+                        self._restart(p)
+                    p.colls.popleft()
+                    p.coll_ok += 1
+                    continue
+                p.inbox.append(buf.copy())
+                self._restart(p)
+            else:
                 self._pump(p)
             if p.inbox:
                 self._advance(p, rec)
             if p.coll_ok < n:
                 return False
         return True
-
-    def _colls_matched(self, n: int) -> bool:
-        for p in self._all:
-            if p.coll_ok < n:
-                return False
-        return True
-
-    def _wait_data(self, work: Work, peers: Sequence[_Peer], ticket: Ticket,
-                   timeout: float | None) -> None:
-        """Wait on the data operation in slices, reading the control streams in between."""
-        limit = self.timeout if timeout is None else timeout
-        start = time.monotonic()
-        while True:
-            left = limit - (time.monotonic() - start)
-            try:
-                work.wait(max(min(_SLICE_S, left), 1e-6))
-                return
-            except CommTimeoutError:
-                self._scan(ticket.record)
-                for p in peers:
-                    self._advance(p, ticket.record)
-                if time.monotonic() - start > limit:
-                    self._late(ticket.encoded, peers, limit, ticket.record)
-
-    def _settle(self, work: Work, done: Callable[[], bool], agreed: Callable[[], bool],
-                peers: Sequence[_Peer], ticket: Ticket, timeout: float | None) -> None:
-        """Drive until ``done()``; if the data operation itself fails (MPI reports a
-        truncation, say), first give the descriptors up to 2 s to explain it as a mismatch,
-        which names the ranks and fields, and raise the transport's error only if they agree.
-        """
-        try:
-            if self.mode == "default":
-                self._wait_data(work, peers, ticket, timeout)
-            self._drive(done, peers, ticket.encoded, ticket.record, timeout)
-        except (CollectiveMismatchError, CommTimeoutError):
-            raise
-        except CommError:
-            if self._failed is None:
-                try:
-                    self._drive(agreed, peers, ticket.encoded, ticket.record, 2.0)
-                except CommTimeoutError:
-                    self._failed = None  # the descriptors agree: the transport's error stands
-            raise
-
-    def _pump(self, p: _Peer) -> None:
-        """Move every control message that has arrived from ``p`` into its inbox."""
-        posted = p.posted
-        while posted and posted[0][0]():
-            p.inbox.append(posted.popleft()[1])
-        if not posted:
-            self._top_up(p)
-
-    def _top_up(self, p: _Peer) -> None:
-        """Keep ``_DEPTH`` receives posted from ``p``, so a descriptor lands in one that is
-        already waiting and reposting happens off the critical path (after an issue)."""
-        posted = p.posted
-        while len(posted) < _DEPTH:
-            buf = np.empty(MSG_LEN, np.int64)
-            test, handle = self._irecv(buf, p.rank)
-            posted.append((test, buf, handle))
-
-    def _meet_early(self, p: _Peer, rec: Record | None) -> None:
-        """Match my newest p2p op with the peer's descriptors that arrived before it."""
-        while p.sends and p.their_recvs:
-            self._agree(p.sends.popleft(), p, p.their_recvs.popleft(), rec)
-        while p.recvs and p.their_sends:
-            self._agree(p.recvs.popleft(), p, p.their_sends.popleft(), rec)
-            p.recv_ok += 1
-
-    def _agree(self, mine: np.ndarray, p: _Peer, theirs: np.ndarray, rec: Record | None) -> None:
-        # equal past the op number (slot 0): two collectives that agree; else the full rules
-        if mine[1:].tobytes() != theirs[1:].tobytes() and diff(mine, theirs):
-            self._mismatch(mine, p.rank, theirs, rec)
-        p.last = theirs
-
-    def _advance(self, p: _Peer, rec: Record | None) -> None:
-        """Consume what ``p`` sent, in order, as far as it can be matched now."""
-        inbox = p.inbox
-        while inbox:
-            m = inbox[0]
-            if m[0] == _ABORT:
-                self._aborted(m, rec)
-            theirs = m[_FP]
-            op = int(theirs[OP])
-            if op == _SEND or op == _RECV:
-                mine_q, their_q = (p.recvs, p.their_sends) if op == _SEND else (p.sends,
-                                                                                  p.their_recvs)
-                if mine_q:
-                    self._agree(mine_q.popleft(), p, theirs, rec)
-                    if op == _SEND:
-                        p.recv_ok += 1
-                elif p.colls:  # I reached my fence; this op of theirs precedes theirs
-                    self._mismatch(p.colls[0], p.rank, theirs, rec)
-                else:
-                    their_q.append(theirs)
-                inbox.popleft()
-                continue
-            pending = p.sends or p.recvs  # their fence came before they met my p2p
-            if pending:
-                self._mismatch(pending[0], p.rank, theirs, rec)
-            if not p.colls:
-                return  # I have not reached my next collective yet
-            early = p.their_sends or p.their_recvs
-            if early:
-                self._mismatch(p.colls[0], p.rank, early[0], rec)
-            self._agree(p.colls.popleft(), p, theirs, rec)
-            p.coll_ok += 1
-            inbox.popleft()
-
-    def _scan(self, rec: Record | None) -> None:
-        """Pump and advance every stream; raise on an abort anywhere in any inbox."""
-        for p in self._all:
-            self._pump(p)
-            for m in p.inbox:
-                if m[0] == _ABORT:
-                    self._aborted(m, rec)
-            self._advance(p, rec)
-
-    def _drive(self, done: Callable[[], bool], peers: Sequence[_Peer], mine: np.ndarray,
-               rec: Record | None, timeout: float | None) -> None:
-        """Progress the control streams of ``peers`` until ``done()``, under the deadline.
-
-        Spins (as MPI's own waits do: a peer progresses only inside MPI calls), looks at
-        every stream for aborts every 64 polls once past 10 us, and then yields the core
-        between polls.
-        """
-        limit = self.timeout if timeout is None else timeout
-        clock = time.monotonic
-        start = clock()
-        spins = 0
-        while True:
-            for p in peers:
-                posted = p.posted
-                if posted and posted[0][0]():
-                    self._pump(p)
-                if p.inbox:
-                    self._advance(p, rec)
-            if done():
-                return
-            spins += 1
-            if spins & 7 == 0:
-                now = clock()
-                if now - start > _YIELD_AFTER_S:
-                    if spins & 63 == 0:
-                        self._scan(rec)
-                        if now - start > limit:
-                            self._late(mine, peers, limit, rec)
-                    os.sched_yield()
-
-    def _late(self, mine: np.ndarray, peers: Sequence[_Peer], limit: float,
-              rec: Record | None) -> None:
-        missing = [p for p in peers if p.colls or p.sends or p.recvs]
-        if not missing:
-            self._fail(f"{describe(mine)} on rank {self.rank} (group {self.group}): every "
-                       f"participant announced it and the descriptors agree, but the "
-                       f"transport did not complete it within {limit:g} s: a rank died or "
-                       f"is stuck inside the transport; if it is only slow, raise the "
-                       f"timeout", "timeout", rec, CommTimeoutError)
-        seen = "; ".join(f"last seen from rank {p.rank}: "
-                         f"{describe(p.last) if p.last is not None else 'nothing yet'}"
-                         for p in missing)
-        ranks = [p.rank for p in missing]
-        self._fail(f"{describe(mine)} on rank {self.rank} (group {self.group}): rank(s) "
-                   f"{ranks} did not reach it within {limit:g} s ({seen}); they are stuck "
-                   f"in compute, dead, or waiting elsewhere; if they are only slow, raise "
-                   f"the timeout", "timeout", rec, CommTimeoutError)
-
-    def _explain(self, a: int, mine: np.ndarray, b: int, theirs: np.ndarray) -> str:
-        fields = diff(mine, theirs) or ["op"]
-        what = "; ".join(f"{f}: rank {a} has {render(mine, f)}, rank {b} has "
-                         f"{render(theirs, f)}" for f in fields)
-        return (f"collective mismatch in group {self.group} at collective "
-                f"#{int(mine[CSEQ])} between rank {a} ({describe(mine)}) and rank {b} "
-                f"({describe(theirs)}): differing fields {fields}: {what}. Fix: {_HINT}")
-
-    def _mismatch(self, mine: np.ndarray, other: int, theirs: np.ndarray,
-                  rec: Record | None) -> None:
-        msg = np.empty(MSG_LEN, np.int64)
-        msg[0], msg[1], msg[_FP], msg[_OTHER], msg[_OTHER_FP] = (
-            _ABORT, self.rank, mine, other, theirs)
-        for p in self._all:
-            self._post(msg, p.rank)
-        self._fail(self._explain(self.rank, mine, other, theirs), "mismatch", rec,
-                   CollectiveMismatchError)
-
-    def _aborted(self, m: np.ndarray, rec: Record | None) -> None:
-        text = self._explain(int(m[1]), m[_FP], int(m[_OTHER]), m[_OTHER_FP])
-        self._fail(f"rank {int(m[1])} reported a {text}", "mismatch", rec,
-                   CollectiveMismatchError)
-
-    def _fail(self, text: str, state: str, rec: Record | None, kind: type[Exception],
-              *, raise_now: bool = True) -> None:
-        if self._failed is None:
-            self._failed, self._failed_kind = text, kind
-            if rec is not None:
-                rec.settle(state, text)
-            try:
-                self.dump(reason=text)
-            except OSError as e:  # a failed dump must not hide the failure itself
-                text = f"{text} (flight recorder dump failed: {e})"
-        if raise_now:
-            raise kind(text)

@@ -1,11 +1,14 @@
-"""GuardedTransport: any Transport, with every operation checked by a :class:`Guard` first.
+"""GuardedTransport: any Transport, with every operation checked by a :class:`Guard`.
 
 It is a Transport itself (same methods, same buffer layout), so code written against the
 seam runs guarded unchanged; the lazy Communicator can either wrap its transport in one or
 call :meth:`Guard.check` / :meth:`Guard.wait` itself. It numbers the group's operations
 (``seq``, from 0, every op counts) and builds each one's fingerprint from its buffers.
-The encoded fingerprint of each distinct (op, shape, dtype, reduce op, root, peer, tag) is
-cached, so the steady state costs a dict lookup and a 128-byte copy per operation.
+The fingerprint and control message of each distinct (op, shape, dtype, reduce op, root,
+peer, tag) are built once and cached. The steady state of an all_reduce costs a dict
+lookup, two numbers written into one of the guard's preallocated send slots
+(:meth:`Guard.stage`), one MPI call to send it (:meth:`Guard.post`) just before the data
+operation is issued, and the match after it completes (see :mod:`.guard`).
 """
 
 from __future__ import annotations
@@ -24,34 +27,22 @@ from fuelspmd.transport import ReduceOp, Transport, Work
 __all__ = ["GuardedTransport", "GuardedWork"]
 
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
-_SEQ, _CSEQ = 2 + SEQ, 2 + CSEQ  # their slots in a control message (after kind, sender)
+_SEQ, _CSEQ = 2 + SEQ, 2 + CSEQ  # their slots in a control message (after sender, kind)
 
 
-class GuardedWork:
-    """The Work of a guarded operation: waiting settles it with the guard."""
+GuardedWork = Ticket
+"""The Work of a guarded operation: its :class:`~fuelspmd.comm.guard.Ticket`, whose
+``wait`` settles it with the guard (one object per operation)."""
 
-    __slots__ = ("_done", "_guard", "_result", "_ticket", "_work")
 
-    def __init__(self, guard: Guard, ticket: Ticket, work: Work, result: Any = None) -> None:
-        self._guard, self._ticket, self._work, self._result = guard, ticket, work, result
-        self._done = False
-
-    def test(self) -> bool:
-        """Return whether the data operation completed (never blocks)."""
-        return self._done or self._work.test()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for the operation and its match; CommTimeoutError after ``timeout`` s."""
-        if self._done:
-            return
-        self._guard.wait(self._ticket, self._work, timeout)
-        if self._result is not None:
-            self._guard.verify(self._ticket, self._result)
-        self._done = True
+def _issued(ticket: Ticket, work: Work, result: Any = None) -> Ticket:
+    ticket.work = work
+    ticket.result = result
+    return ticket
 
 
 class GuardedTransport:
-    """A Transport whose every operation is agreed by all participants before it is issued.
+    """A Transport whose every operation is checked against all participants' (see .guard).
 
     Creating one is collective over ``transport`` (the guard splits its control channel).
     ``seq`` is the number the next operation gets, ``cseq`` the next collective's (see
@@ -71,52 +62,122 @@ class GuardedTransport:
         self.cseq = 0  # the next collective's number
         self._debug = mode == "debug"
         self._cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
+        # all_reduce's entries again, under a shorter key: (shape, dtype, reduce op name)
+        self._ar_cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
 
-    def _check(self, op: str, buf: Any, reduce_op: str | None = None, root: int | None = None,
-               src: int | None = None, dst: int | None = None,
-               tag: int | None = None) -> Ticket:
-        shape = buf.shape
-        seq = self.seq
-        self.seq = seq + 1
-        cseq = self.cseq
-        if src is None:
-            self.cseq = cseq + 1
-        key = (op, shape, buf.dtype, reduce_op, root, src, dst, tag)
+    def _entry(self, op: str, buf: Any, reduce_op: str | None, root: int | None,
+               src: int | None, dst: int | None,
+               tag: int | None) -> tuple[Fingerprint, np.ndarray]:
+        """Return the cached (template fingerprint, template message) of this operation."""
+        key = (op, buf.shape, buf.dtype, reduce_op, root, src, dst, tag)
         hit = self._cache.get(key)
         if hit is None:  # once per distinct operation: str(dtype) alone costs ~1.5 us
-            fp = Fingerprint(0, op, tuple(shape), str(buf.dtype), reduce_op, root,
+            fp = Fingerprint(0, op, tuple(buf.shape), str(buf.dtype), reduce_op, root,
                              self.guard.group, src, dst, tag, 0)
             hit = (fp, Guard.message(fp))
             if len(self._cache) < 4096:
                 self._cache[key] = hit
-        msg = hit[1].copy()
-        msg[_SEQ] = seq
-        msg[_CSEQ] = cseq
-        return self.guard.check(hit[0], message=msg)
+        return hit
 
     def _run(self, start: Callable[[], Work], op: str, buf: Any, result: Any = None,
-             **fields: Any) -> GuardedWork:
-        """Issue the operation and announce its fingerprint; in debug mode, check first.
+             reduce_op: str | None = None, root: int | None = None, src: int | None = None,
+             dst: int | None = None, tag: int | None = None) -> GuardedWork:
+        """Issue the operation with its descriptor (see :mod:`.guard` for the order).
 
-        In default mode the data operation goes out first and the descriptor right after,
-        so the exchange overlaps the transfer instead of adding a round trip before it
-        (the comparison still completes before ``wait`` returns; see :mod:`.guard`).
+        The data operation is issued first, so a caller's mistake (a bad buffer) raises
+        from the transport before anything is sent or counted; the descriptor follows at
+        once. A collective in default mode is staged into a send slot before the issue
+        and posted by one call after it (nothing else runs while it is in flight). In
+        debug mode the descriptors are compared first and the operation issued after.
         """
+        if getattr(buf, "shape", None) is None or getattr(buf, "dtype", None) is None:
+            start()  # not an array: the transport raises its typed error for it
+            raise RuntimeError(f"guarded {op}: the transport accepted a buffer of type "
+                               f"{type(buf).__name__}, which has no shape and dtype")
+        fp, template = self._entry(op, buf, reduce_op, root, src, dst, tag)
+        seq, cseq = self.seq, self.cseq
+        g = self.guard
         if self._debug:
-            t = self._check(op, buf, **fields)
-            return GuardedWork(self.guard, t, start(), result)
-        work = start()
-        return GuardedWork(self.guard, self._check(op, buf, **fields), work)
+            ticket = g.check(fp, message=self._filled(template, seq, cseq))
+            self._count(src)
+            return _issued(ticket, start(), result)
+        staged = g.stage(fp, template, seq, cseq) if src is None else None
+        if staged is None:
+            work = start()
+            self._count(src)
+            if not g.checks:
+                return _issued(g.note(fp, seq, cseq), work)
+            return _issued(g.check(fp, message=self._filled(template, seq, cseq)), work)
+        try:
+            work = start()
+        except BaseException:
+            g.unstage(staged)
+            raise
+        g.post(staged)
+        staged.work = work
+        self._count(src)
+        return staged
+
+    @staticmethod
+    def _filled(template: np.ndarray, seq: int, cseq: int) -> np.ndarray:
+        msg = template.copy()
+        msg[_SEQ] = seq
+        msg[_CSEQ] = cseq
+        return msg
+
+    def _count(self, src: int | None) -> None:
+        self.seq += 1
+        if src is None:  # a collective
+            self.cseq += 1
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
-        """Guarded ``Transport.all_reduce`` (in place)."""
+        """Guarded ``Transport.all_reduce`` (in place).
+
+        The hot path (a contiguous numpy array, an all_reduce of a shape, dtype and op
+        seen before, default or off mode, a free send slot) is :meth:`_run` written out,
+        with the descriptor posted before the issue: every call and closure it saves is
+        time a peer would wait.
+        """
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
-        if self._debug:
-            return self._run(lambda: self.inner.all_reduce(buf, op), "all_reduce", buf, buf,
-                             reduce_op=op._value_)
-        work = self.inner.all_reduce(buf, op)  # the hot path, inlined: see _run
-        return GuardedWork(self.guard, self._check("all_reduce", buf, op._value_), work)
+        inner = self.inner
+        hit = None
+        if not self._debug and type(buf) is np.ndarray:
+            hit = self._ar_cache.get((buf.shape, buf.dtype, op._value_))
+        if hit is None:
+            out = self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf,
+                            buf if self._debug else None, op._value_)
+            if not self._debug and type(buf) is np.ndarray and len(self._ar_cache) < 4096:
+                self._ar_cache[(buf.shape, buf.dtype, op._value_)] = self._entry(
+                    "all_reduce", buf, op._value_, None, None, None, None)
+            return out
+        g = self.guard
+        seq, cseq = self.seq, self.cseq
+        staged = g.stage(hit[0], hit[1], seq, cseq)
+        if staged is None:
+            if g.checks:  # no free send slot: the general path
+                return self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf, None,
+                                 op._value_)
+            work = inner.all_reduce(buf, op)  # off mode: record, check nothing
+            self.seq, self.cseq = seq + 1, cseq + 1
+            return _issued(g.note(hit[0], seq, cseq), work)
+        if not buf.flags.c_contiguous:  # the transport refuses it: raise before announcing
+            g.unstage(staged)
+            return self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf, None,
+                             op._value_)
+        # A contiguous array of a (shape, dtype, op) the transport accepted before: it
+        # accepts it again, so the descriptor goes out first and reaches every peer before
+        # this rank's data does; a peer whose data operation completes then finds it
+        # already there (with the descriptor second, a rank descheduled between issue and
+        # post left its peers to the slow path, and on a busy machine to a lost time slice)
+        g.post(staged)
+        try:
+            staged.work = inner.all_reduce(buf, op)
+        except BaseException as e:
+            g.abandon(staged, e)
+            raise
+        self.seq, self.cseq = seq + 1, cseq + 1
+        return staged
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""

@@ -253,3 +253,100 @@ def test_debug_mode_checks_first_and_compares_results(world: Any) -> None:
         assert_all_raised(every, "dtype", f"rank {world.size - 1}")
     finally:
         g.close()
+
+
+def test_many_collectives_in_flight_waited_out_of_order(gt: GuardedTransport) -> None:
+    """More collectives in flight than the guard has send slots, waited newest first: the
+    ones past the slots take the general path, and every result is still right."""
+    for rnd in range(3):
+        bufs = [np.full(5 + i % 3, gt.rank + i + rnd, np.float64) for i in range(20)]
+        works = [gt.all_reduce(b, "sum") for b in bufs]
+        for w in reversed(works):
+            w.wait()
+        size = gt.size
+        for i, b in enumerate(bufs):
+            np.testing.assert_array_equal(b, np.full(b.shape, size * (i + rnd)
+                                                     + size * (size - 1) / 2))
+    good_ops(gt, 40)  # and the fast path is back in step afterwards
+    assert all(r.state == "completed" for r in gt.guard.recorder.records())  # type: ignore[union-attr]
+
+
+class _Seam:
+    """The MPI transport seen through the Transport protocol only (no ``comm``): the guard
+    then drives its control streams through ``send``/``recv`` Works, as it does for any
+    transport that is not MPI's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name, self.rank, self.size = inner.name, inner.rank, inner.size
+        self.world_ranks = inner.world_ranks
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "comm":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def split(self, color: int, key: int) -> _Seam:
+        return _Seam(self.inner.split(color, key))
+
+
+def test_guard_over_the_transport_protocol_alone(world: Any) -> None:
+    """Without mpi4py's persistent requests the guard matches and raises the same way."""
+    _need2(world)
+    g = GuardedTransport(_Seam(world.split(0, world.rank)), timeout=GUARD_TIMEOUT,
+                         recorder=Recorder())
+    try:
+        assert not g.guard._channel.mpi
+        good_ops(g, 120)
+        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "shape"))
+        assert_all_raised(every, "shape", f"rank {world.size - 1}")
+    finally:
+        g.close()
+
+
+def test_off_mode_records_and_checks_nothing(world: Any) -> None:
+    g = GuardedTransport(world.split(0, world.rank), mode="off", timeout=GUARD_TIMEOUT,
+                         recorder=Recorder(capacity=64))
+    try:
+        assert not g.guard.checks
+        good_ops(g, 80)  # repeated all_reduces of one shape take the cached path
+        recs = g.guard.recorder.records()  # type: ignore[union-attr]
+        assert len(recs) == 64 and all(r.state == "completed" for r in recs)
+        assert recs[-1].cseq == g.cseq - 1
+    finally:
+        g.close()
+
+
+class _Refusing(_Seam):
+    """The MPI transport, except that its all_reduce raises once ``refuse`` is set (as a
+    transport that fails after the guard announced an operation would)."""
+
+    refuse = False
+
+    def all_reduce(self, buf: Any, op: Any) -> Any:
+        if self.refuse:
+            raise RuntimeError("transport refused")
+        return self.inner.all_reduce(buf, op)
+
+    def split(self, color: int, key: int) -> _Seam:
+        return _Seam(self.inner.split(color, key))
+
+
+def test_a_refused_issue_after_the_announcement_fails_the_guard(world: Any) -> None:
+    """The hot path announces a repeated all_reduce before issuing it; if the transport then
+    refuses it, the ranks are out of step: the error propagates and the guard fails."""
+    seam = _Refusing(world.split(0, world.rank))
+    g = GuardedTransport(seam, timeout=GUARD_TIMEOUT, recorder=Recorder())
+    try:
+        for _ in range(3):
+            g.all_reduce(np.ones(4, np.float32), "sum").wait()
+        seam.refuse = True
+        with pytest.raises(RuntimeError, match="transport refused"):
+            g.all_reduce(np.ones(4, np.float32), "sum")
+        if world.size > 1:  # one rank announces nothing: its guard checks nothing
+            with pytest.raises(RuntimeError, match="out of step"):
+                g.barrier()
+            assert g.guard.recorder.records()[-1].state == "failed"  # type: ignore[union-attr]
+    finally:
+        g.close()
+    world.comm.barrier()

@@ -34,9 +34,13 @@ def _unit(module: str) -> str:
 
 
 def _imports(path: Path, module: str) -> list[tuple[str, bool]]:
-    """Every absolute or relative import in ``path``, with whether it is at the top level."""
+    """Every absolute or relative import in ``path``, with whether it is at the top level
+    (an ``if TYPE_CHECKING:`` block at the top counts as the top)."""
     tree = ast.parse(path.read_text())
     top = set(map(id, tree.body))
+    for stmt in tree.body:  # `if TYPE_CHECKING:` imports are for annotations, never run
+        if isinstance(stmt, ast.If) and getattr(stmt.test, "id", None) == "TYPE_CHECKING":
+            top |= set(map(id, stmt.body))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):

@@ -54,8 +54,10 @@ def mse(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
 
 
 def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 2,
-        sends: str | None = None, recompute: bool = False) -> dict[str, Any]:
-    """One rank's program: a ``dp x pp`` mesh over ``comm``, ``steps`` steps of ``kind``.
+        sends: str | None = None, recompute: bool = False,
+        bucket_bytes: int | None = None) -> dict[str, Any]:
+    """One rank's program: a ``dp x pp`` mesh over ``comm``, ``steps`` steps of ``kind``
+    (dp gradient buckets of ``bucket_bytes``, the executor's default when None).
 
     Returns the loss, this rank's gradients by virtual stage, and the step result.
     """
@@ -71,7 +73,8 @@ def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 
     ex = PipelineExecutor(
         sched, comm=pp, stages=[stage(v == v_total - 1) for v in mine],
         params=[list(full[v]) for v in mine], loss=mse,
-        dp=mesh.comm("dp"), recompute=recompute)
+        dp=mesh.comm("dp"), recompute=recompute,
+        **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     xs, ts = batch(m, mesh.coord("dp"))
     for _ in range(steps):  # the same step again: plans cached, nothing left over
         out = ex.step(xs if pp.rank == 0 else None, ts if pp.rank == p - 1 else None)
@@ -114,6 +117,23 @@ def check(got: dict[str, Any], v_total: int, m: int, dp: int = 1) -> None:
         for k, (a, b) in enumerate(zip(gs, grads[v])):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12,
                                        err_msg=f"virtual stage {v} param {k}")
+
+
+def check_buckets(result: Any, sched: Any, rank: int, buckets: int) -> None:
+    """Assert the dp all-reduces of one rank's step: ``buckets`` per chunk, issued in order
+    inside the chunk's last backward action (B, or W in a split schedule), one in flight."""
+    last = {}
+    for a in sched.actions[rank]:
+        if a.kind in ("B", "W"):
+            last[a.chunk] = a
+    got = [(c, b) for c, b, _, _ in result.reduces]
+    assert got == [(c, b) for c in sorted(last, key=lambda c: result.times[last[c]][0])
+                   for b in range(buckets)], got
+    for c, b, issued, done in result.reduces:
+        start, end = result.times[last[c]]
+        assert start <= issued <= done <= end, (c, b, start, issued, done, end)
+    for (_, _, i0, d0), (_, _, i1, _) in zip(result.reduces, result.reduces[1:]):
+        assert i0 < i1 and d0 <= i1  # one in flight, each started when its bucket was ready
 
 
 def factorizations(size: int) -> list[tuple[int, int]]:

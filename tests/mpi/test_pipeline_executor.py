@@ -26,6 +26,11 @@ TIMEOUT = 20.0
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 
 
+def _micro(size: int) -> int:
+    """At least 4 micro-batches, a multiple of the stages (interleaved needs one)."""
+    return size * -(-4 // size)
+
+
 @pytest.fixture(scope="module")
 def world() -> fs.World:
     return fs.init(timeout=TIMEOUT)
@@ -33,7 +38,7 @@ def world() -> fs.World:
 
 @pytest.mark.parametrize(("kind", "chunks"), KINDS)
 def test_pp_equals_world_size(world: fs.World, kind: str, chunks: int) -> None:
-    m = 6 if world.size == 3 else 4
+    m = _micro(world.size)
     got = P.run(world.comm, kind, m, chunks)
     P.check(got, world.size * chunks, m)
 
@@ -46,13 +51,23 @@ def test_dp_by_pp(world: fs.World, kind: str, chunks: int) -> None:
     P.check(got, world.size // 2 * chunks, 4, dp=2)
 
 
+@pytest.mark.parametrize(("kind", "chunks"), KINDS)
+def test_dp_buckets_start_in_the_last_backward(world: fs.World, kind: str, chunks: int) -> None:
+    if world.size % 2:
+        pytest.skip("dp=2 needs an even world size")
+    got = P.run(world.comm, kind, 4, chunks, dp=2, bucket_bytes=1)
+    P.check(got, world.size // 2 * chunks, 4, dp=2)
+    p = world.size // 2
+    P.check_buckets(got["result"], schedule(kind, p, 4, chunks), world.rank % p, buckets=2)
+
+
 def test_nonblocking_sends_and_recompute(world: fs.World) -> None:
     got = P.run(world.comm, "1f1b", 4, 1, sends="nonblocking", recompute=True)
     P.check(got, world.size, 4)
 
 
 def test_measured_timeline_is_the_same_on_every_rank(world: fs.World) -> None:
-    m = 6 if world.size == 3 else 4
+    m = _micro(world.size)
     tl = P.run(world.comm, "1f1b", m, 1)["timeline"]
     sched = schedule("1f1b", world.size, m)
     assert set(tl.start) == {a for acts in sched.actions for a in acts}

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_one_stage_json(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--microbatches", "4", "--hidden", "16", "--batch", "4", "--steps", "2", "--json"]
+    argv = ["--microbatches", "4", "--hidden", "16", "--batch", "4", "--layers", "3",
+            "--steps", "2", "--json"]
     assert pipeline.main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     rows = {r["kind"]: r for r in res["rows"]}
@@ -27,8 +28,13 @@ def test_one_stage_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert 0.5 < r["step_vs_sim"] < 2.0  # one rank: the step is the sum of its actions
     # one stage: GPipe keeps all 4 micro-batches, 1F1B one at a time
     assert res["peak_1f1b_vs_gpipe"] == pytest.approx(res["bound"]) == 0.25
+    # the partition of the measured costs: all 3 layers on the one stage
+    assert res["layers_per_stage"] == [3]
+    assert all(c > 0 for c in res["costs_ms"].values())
 
 
 def test_bad_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert pipeline.main(["--steps", "0"]) == 2
     assert "--steps must be >= 1, got 0" in capsys.readouterr().err
+    assert pipeline.main(["--dp", "2", "--steps", "1"]) == 2
+    assert "--dp 2 does not divide the 1 ranks; use one of [1]" in capsys.readouterr().err

@@ -48,6 +48,25 @@ def test_dp_by_pp_averages_over_replicas(kind: str, chunks: int) -> None:
 
 
 @pytest.mark.parametrize(("kind", "chunks"), KINDS)
+def test_dp_buckets_start_in_the_last_backward_and_give_the_same_numbers(
+        kind: str, chunks: int) -> None:
+    """bucket_bytes=1: each parameter (W, b) its own dp all-reduce, bias first."""
+    outs = DeviceGroup.cpu(4, timeout=TIMEOUT).run(
+        lambda c: P.run(c, kind, 4, chunks, dp=2, bucket_bytes=1))
+    sched = schedule(kind, 2, 4, chunks)
+    for rank, got in enumerate(outs):
+        P.check(got, 2 * chunks, 4, dp=2)
+        P.check_buckets(got["result"], sched, rank % 2, buckets=2)
+
+
+def test_bucket_bytes_must_be_positive() -> None:
+    def body(comm: fs.Communicator) -> None:
+        with pytest.raises(ConfigError, match="bucket_bytes=0"):
+            P.run(comm, "1f1b", 2, 1, dp=2, bucket_bytes=0)
+    DeviceGroup.cpu(2, timeout=TIMEOUT).run(body)
+
+
+@pytest.mark.parametrize(("kind", "chunks"), KINDS)
 def test_recompute_and_nonblocking_sends_give_the_same_numbers(kind: str, chunks: int) -> None:
     outs = DeviceGroup.cpu(2, timeout=TIMEOUT).run(
         lambda c: P.run(c, kind, 4, chunks, recompute=True, sends="nonblocking"))
@@ -160,3 +179,13 @@ def test_array_api_strict_and_mixed_devices(devices: list[str], kind: str,
     outs = DeviceGroup(devices, timeout=TIMEOUT).run(lambda c: P.run(c, kind, 4, chunks))
     for got in outs:
         P.check(got, 2 * chunks, 4)
+
+
+@pytest.mark.parametrize("devices", [[f"strict:{i}" for i in range(4)],
+                                     ["cpu:0", "strict:0", "cpu:1", "strict:1"]])
+def test_dp_buckets_on_array_api_strict(devices: list[str]) -> None:
+    """Bucket buffers and the gradient views cut from them work in any Array API library."""
+    outs = DeviceGroup(devices, timeout=TIMEOUT).run(
+        lambda c: P.run(c, "1f1b", 4, 1, dp=2, bucket_bytes=1))
+    for got in outs:
+        P.check(got, 2, 4, dp=2)

@@ -52,7 +52,8 @@ from fuelspmd.cost.regimes import Regime, apply_regime, pick
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Link, Topology
 
-__all__ = ["ALGORITHMS", "COLLECTIVES", "OPT_IN", "Choice", "CostModel", "Estimate"]
+__all__ = ["ALGORITHMS", "COLLECTIVES", "OPT_IN", "Choice", "CostModel", "Estimate", "format_bytes",
+           "format_seconds"]
 
 ALGORITHMS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("ring", "halving_doubling", "doubling", "hierarchical"),
@@ -103,14 +104,14 @@ class Choice:
     explanation: str = ""
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.4g} {unit}"
     return f"{int(n)} B"
 
 
-def _fmt_s(t: float) -> str:
+def format_seconds(t: float) -> str:
     if t >= 1:
         return f"{t:.3g} s"
     if t >= 1e-3:
@@ -230,13 +231,13 @@ class CostModel:
                  f"({'/'.join(str(len(p)) for p in parts.values())} per node)")
         share = ("latency" if best.latency >= max(best.transfer, best.reduce) else
                  "reduction" if best.reduce > best.transfer else "bandwidth")
-        text = (f"{collective} of {_fmt_bytes(nbytes)} over {where}: {best.algorithm} "
-                f"{_fmt_s(best.seconds)}, {share}-bound ({best.bound}; latency "
-                f"{_fmt_s(best.latency)}, transfer {_fmt_s(best.transfer)}, reduce "
-                f"{_fmt_s(best.reduce)})")
+        text = (f"{collective} of {format_bytes(nbytes)} over {where}: {best.algorithm} "
+                f"{format_seconds(best.seconds)}, {share}-bound ({best.bound}; latency "
+                f"{format_seconds(best.latency)}, transfer {format_seconds(best.transfer)}, reduce "
+                f"{format_seconds(best.reduce)})")
         if len(ests) > 1:
             text += "; beats " + ", ".join(
-                f"{e.algorithm} {_fmt_s(e.seconds)} (x{e.seconds / best.seconds:.2f})"
+                f"{e.algorithm} {format_seconds(e.seconds)} (x{e.seconds / best.seconds:.2f})"
                 for e in ests[1:])
         return Choice(collective, int(nbytes), best.algorithm, best.seconds,
                       {e.algorithm: e.seconds for e in ests}, text)

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fuelspmd.cost.calibration import calibrated_model, load_calibration
-from fuelspmd.cost.collectives import CostModel, _fmt_bytes, _fmt_s
+from fuelspmd.cost.collectives import CostModel, format_bytes, format_seconds
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Topology, WorldLike, detect
 
@@ -108,8 +108,8 @@ def _candidates(model: CostModel, nbytes: float, group: list[int], llc: int | No
             out["shm"] = (e.seconds, "shared memory")
         else:
             out["shm (in cache)"] = (e.seconds, f"shared memory, not used: the ring's "
-                                     f"{_fmt_bytes(len(group) * nbytes)} fit the "
-                                     f"{_fmt_bytes(llc)} last-level cache")
+                                     f"{format_bytes(len(group) * nbytes)} fit the "
+                                     f"{format_bytes(llc)} last-level cache")
     return out
 
 
@@ -138,10 +138,10 @@ def plan_all_reduce(model: CostModel, group: Sequence[int], *, llc: int | None =
         usable = {k: v for k, v in cands.items() if k in TRANSPORT_ALGORITHMS}
         algo = min(usable, key=lambda k: usable[k][0])
         t = usable[algo][0]
-        others = "; ".join(f"{note} {_fmt_s(s)} (x{s / t:.2f})"
+        others = "; ".join(f"{note} {format_seconds(s)} (x{s / t:.2f})"
                            for k, (s, note) in sorted(cands.items(), key=lambda kv: kv[1][0])
                            if k != algo)
-        picks.append((size, algo, f"{usable[algo][1]} predicted {_fmt_s(t)}"
+        picks.append((size, algo, f"{usable[algo][1]} predicted {format_seconds(t)}"
                       + (f"; {others}" if others else "")))
         size *= 2
     bands: list[Band] = []
@@ -152,11 +152,11 @@ def plan_all_reduce(model: CostModel, group: Sequence[int], *, llc: int | None =
             j += 1
         lo = 0 if i == 0 else math.sqrt(picks[i - 1][0] * picks[i][0])
         upto = math.inf if j == len(picks) - 1 else math.sqrt(picks[j][0] * picks[j + 1][0])
-        span = (f"up to {_fmt_bytes(upto)}" if i == 0 else
-                f"from {_fmt_bytes(lo)}" if math.isinf(upto) else
-                f"{_fmt_bytes(lo)} to {_fmt_bytes(upto)}")
+        span = (f"up to {format_bytes(upto)}" if i == 0 else
+                f"from {format_bytes(lo)}" if math.isinf(upto) else
+                f"{format_bytes(lo)} to {format_bytes(upto)}")
         bands.append(Band(upto, picks[i][1], f"all_reduce {span} over {where}: "
-                          f"{picks[i][1]}; at {_fmt_bytes(picks[i][0])}: {picks[i][2]}"))
+                          f"{picks[i][1]}; at {format_bytes(picks[i][0])}: {picks[i][2]}"))
         i = j + 1
     return AllReducePlan(tuple(bands), nodes)
 

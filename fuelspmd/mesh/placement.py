@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fuelspmd.cost import COLLECTIVES, CostModel
+from fuelspmd.cost.collectives import format_bytes, format_seconds
 from fuelspmd.cost.transformer import Assumptions, Transformer
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Topology
@@ -78,7 +79,7 @@ class Traffic:
 
     def __str__(self) -> str:
         name = _NOUNS.get(self.collective, self.collective)
-        return f"{self.count} {name}{'' if self.count == 1 else 's'} of {_fmt_bytes(self.nbytes)}"
+        return f"{self.count} {name}{'' if self.count == 1 else 's'} of {format_bytes(self.nbytes)}"
 
 
 _NOUNS = {"all_reduce": "all-reduce", "all_gather": "all-gather",
@@ -221,8 +222,8 @@ class Placement:
         cells = [["order (slowest..fastest)", *busy, "total", ""]]
         chosen = self.chosen
         for c in self.candidates:
-            cells.append([c.label, *(f"{_fmt_s(c.axes[a].seconds)} {c.axes[a].where}"
-                                     for a in busy), _fmt_s(c.seconds),
+            cells.append([c.label, *(f"{format_seconds(c.axes[a].seconds)} {c.axes[a].where}"
+                                     for a in busy), format_seconds(c.seconds),
                           "<- chosen" if c is chosen else ""])
         widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
         lines += ["  " + "  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip()
@@ -236,30 +237,30 @@ class Placement:
         if len(self.candidates) == 1:
             return "with these sizes every order gives the same layout"
         if not self.auto and chosen is not best and not _same(best, chosen):
-            return (f"the given order costs {_fmt_s(chosen.seconds)} per step, "
+            return (f"the given order costs {format_seconds(chosen.seconds)} per step, "
                     f"{_ratio(chosen.seconds, best.seconds)} what order='auto' would choose: "
-                    f"{best.label} at {_fmt_s(best.seconds)}")
+                    f"{best.label} at {format_seconds(best.seconds)}")
         rival = next((c for c in self.candidates if not _same(c, chosen)), None)
         ties = [c.label for c in self.candidates if c is not chosen and _same(c, chosen)]
         tied = (f" ({'; '.join(ties)} predict{'s' if len(ties) == 1 else ''} the same; the "
                 f"order nearest the convention {', '.join(CONVENTION)} is kept)") if ties else ""
         if rival is None:
-            return (f"every candidate predicts {_fmt_s(chosen.seconds)}: no order changes "
+            return (f"every candidate predicts {format_seconds(chosen.seconds)}: no order changes "
                     f"which links the traffic crosses, so the convention "
                     f"({', '.join(CONVENTION)}: tp fastest) stands")
         gain = {a: rival.axes[a].seconds - chosen.axes[a].seconds for a in AXES}
         top = max(AXES, key=lambda a: gain[a])
         text = (f"{top} {chosen.axes[top].where}: "
                 f"{' + '.join(str(t) for t in self.traffic[top])} per step, "
-                f"{_fmt_s(chosen.axes[top].seconds)} there vs "
-                f"{_fmt_s(rival.axes[top].seconds)} {rival.axes[top].where}")
+                f"{format_seconds(chosen.axes[top].seconds)} there vs "
+                f"{format_seconds(rival.axes[top].seconds)} {rival.axes[top].where}")
         lost = [a for a in AXES if gain[a] < 0]
         if lost:
             text += "; that outweighs " + ", ".join(
-                f"{a} {chosen.axes[a].where} {_fmt_s(chosen.axes[a].seconds)} vs "
-                f"{_fmt_s(rival.axes[a].seconds)} {rival.axes[a].where}" for a in lost)
-        return (f"{text}. Total {_fmt_s(chosen.seconds)} per step against "
-                f"{_fmt_s(rival.seconds)} for the next best order ({rival.label}), "
+                f"{a} {chosen.axes[a].where} {format_seconds(chosen.axes[a].seconds)} vs "
+                f"{format_seconds(rival.axes[a].seconds)} {rival.axes[a].where}" for a in lost)
+        return (f"{text}. Total {format_seconds(chosen.seconds)} per step against "
+                f"{format_seconds(rival.seconds)} for the next best order ({rival.label}), "
                 f"{_ratio(rival.seconds, chosen.seconds)} as long{tied}")
 
 
@@ -374,17 +375,3 @@ def _where(topo: Topology, g: Sequence[int]) -> str:
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "infinitely"
 
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{int(n)} B"
-
-
-def _fmt_s(t: float) -> str:
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"

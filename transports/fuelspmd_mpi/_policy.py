@@ -76,13 +76,17 @@ def digest(bands: Sequence[tuple[float, str, str]], nodes: Sequence[int] | None)
 class Route:
     """Which algorithm an all-reduce of ``nbytes`` runs, and why."""
 
-    __slots__ = ("algos", "edges", "reasons", "routed")
+    __slots__ = ("algos", "edges", "reasons", "routed", "smallest")
 
     def __init__(self, bands: Sequence[tuple[float, str, str]]) -> None:
         self.edges = [u for u, _, _ in bands]
         self.algos = [a for _, a, _ in bands]
         self.reasons = [why for _, _, why in bands]
         self.routed = any(a != "mpi" for a in self.algos)  # else: the plain MPI fast path
+        # the fewest bytes any non-MPI band takes: smaller all-reduces skip the band lookup
+        lows = [0.0, *self.edges[:-1]]
+        self.smallest = min((lo for lo, a in zip(lows, self.algos, strict=True) if a != "mpi"),
+                            default=math.inf)
 
     def algorithm(self, nbytes: int) -> str:
         """The algorithm of the band holding ``nbytes``."""

@@ -180,7 +180,7 @@ class MPITransport:
         if buf.size == 0 or self.size == 1:
             return DONE
         route = self._route
-        if route.routed and plan.stage is None:
+        if route.routed and buf.nbytes > route.smallest and plan.stage is None:
             algo = route.algorithm(buf.nbytes)
             shm, hier = self._shm, self._hier
             if algo == "shm" and shm is not None:

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--requests", "4", "--prefix", "40", "--suffix", "5", "--new-tokens", "6",
          "--block-size", "8", "--hidden", "32", "--heads", "4", "--ffn", "64",
          "--check-every", "1"]
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs import mpiexec, needs_mpiexec, run_job  # noqa: E402
+
 pytestmark = pytest.mark.timeout(90)
 
 
@@ -87,20 +85,12 @@ def test_reference_detects_a_different_model(gen: ModuleType) -> None:
     assert gen.reference_tokens(args) != gen.reference_tokens(other)
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+@needs_mpiexec
 def test_two_processes_under_mpiexec() -> None:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, str(ROOT / "examples" /
-                             "generate.py"), *SMALL, "--check"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpiexec -n 2 generate.py outlived 60 s:\n{out}\n{err}")
-    assert proc.returncode == 0, err
+    job = run_job(mpiexec(2, sys.executable, str(ROOT / "examples" / "generate.py"), *SMALL,
+                          "--check"), deadline=60)
+    out = job.out
+    assert job.code == 0, job.err
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1  # rank 0 reports
     assert lines[0]["tp"] == 2 and lines[0]["check"] == "EQUAL"

@@ -17,19 +17,18 @@ deadline after which the group is killed:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs import mpiexec, needs_mpiexec, run_job
+
 FUELSPMD = shutil.which("fuelspmd", path=str(Path(sys.executable).parent))
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+pytestmark = needs_mpiexec
 
 GOOD = 40  # good collectives through world.comm before rank 2 skips one
 TIMEOUT = 3.0  # long enough for a good collective on 4 ranks sharing 2 busy cores
@@ -57,26 +56,12 @@ os.write(1, f"PASSED {{w.rank}}\\n".encode())
 """
 
 
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
-
-
 def _job(tmp: Path, case: str, deadline: float = 60.0) -> tuple[int, str, str, float]:
     script = tmp / "skip.py"
     script.write_text(PROGRAM.format(timeout=TIMEOUT, good=GOOD))
-    start = time.monotonic()
-    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, str(script),
-                             str(tmp / "trace"), case], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_clean_env(),
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the job outlived its {deadline} s deadline:\n{out}\n{err}")
-    return proc.returncode, out, err, time.monotonic() - start
+    job = run_job(mpiexec(4, sys.executable, str(script), str(tmp / "trace"), case),
+                  deadline=deadline)
+    return job.code, job.out, job.err, job.seconds
 
 
 def _trace(where: Path, *extra: str) -> tuple[int, str]:

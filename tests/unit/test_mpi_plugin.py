@@ -7,12 +7,8 @@ MPI (the one-process suite must not become a singleton MPI job).
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,16 +16,13 @@ import pytest
 from fuelspmd.transport import find_transports, load_plugin
 from fuelspmd_mpi import plugin, pmix_trap
 
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs import clean_env as _env
+from jobs import mpiexec, needs_mpiexec, run_job
+
 MPICH = "MPICH Version:      5.0.2\nMPICH configure:    --with-device=ch4:ucx,ofi --with-pm=hydra"
 MPICH_PMIX = "MPICH Version:      4.2.0\nMPICH configure:    --with-pmix=/usr"
 OPENMPI = "Open MPI v5.0.3, package: Open MPI Distribution, ident: 5.0.3"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "MPI_", "OMPI_", "SLURM_", "HYDRA"))}
-    return {**env, **extra}
 
 
 def _python(code: str, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -128,19 +121,11 @@ print("rank 0 survived", flush=True)
 """
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+@needs_mpiexec
 @pytest.mark.timeout(60)
 def test_abort_ends_every_rank_quickly() -> None:
-    start = time.monotonic()
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-c", ABORT], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(),
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=40)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("MPI_Abort did not end the job within 40 s")
-    assert proc.returncode != 0
-    assert time.monotonic() - start < 20
+    job = run_job(mpiexec(2, sys.executable, "-c", ABORT), deadline=40, env=_env())
+    out = job.out
+    assert job.code != 0
+    assert job.seconds < 20
     assert "rank 1 aborting" in out and "rank 0 survived" not in out

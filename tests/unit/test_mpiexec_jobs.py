@@ -7,39 +7,23 @@ with a deadline, and kills the group if it outlives it.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs import mpiexec, needs_mpiexec
+from jobs import run_job as _run
 
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
+pytestmark = needs_mpiexec
 
 
 def run_job(n: int, code: str, *, deadline: float = 60.0) -> tuple[int, str, str, float]:
     """Run ``python -c code`` on ``n`` ranks; return (exit code, stdout, stderr, seconds)."""
-    start = time.monotonic()
-    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-c", code],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_clean_env(), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the job outlived its {deadline} s deadline:\n{out}\n{err}")
-    return proc.returncode, out, err, time.monotonic() - start
+    job = _run(mpiexec(n, sys.executable, "-c", code), deadline=deadline)
+    return job.code, job.out, job.err, job.seconds
 
 
 @pytest.mark.timeout(90)

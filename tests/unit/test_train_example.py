@@ -13,11 +13,7 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,8 +31,9 @@ from fuelspmd.transport import SelfTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
-MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install mpich)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobs import mpiexec, needs_mpiexec, run_job  # noqa: E402
+
 SUMMARY = re.compile(r"loss ([0-9.]+) -> ([0-9.]+) in (\d+) steps; ([0-9.]+) ms/step .*"
                      r"measured bubble ([0-9.]+)")
 
@@ -53,29 +50,17 @@ def _load() -> ModuleType:
 T = _load()
 
 
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_", "HYDRA", "FUELSPMD_"))}
-
-
 def run(args: list[str], *, n: int | None = None, deadline: float = 90.0) -> dict[str, Any]:
     """Run the example (under ``mpiexec -n n`` when n is given) in its own process group,
     killed at ``deadline``; return its exit code, output and parsed summary."""
     cmd = [sys.executable, str(TRAIN), *args]
     if n is not None:
-        assert MPIEXEC is not None
-        cmd = [MPIEXEC, "-n", str(n), *cmd]
+        cmd = mpiexec(n, *cmd)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_clean_env(), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd} outlived its {deadline} s deadline:\n{out}\n{err}")
+    job = run_job(cmd, deadline=deadline)
+    out = job.out
     found = SUMMARY.search(out)
-    assert proc.returncode == 0 and found, f"{cmd} -> {proc.returncode}\n{out}\n{err}"
+    assert job.code == 0 and found, f"{cmd} -> {job.code}\n{out}\n{job.err}"
     first, last, steps = float(found[1]), float(found[2]), int(found[3])
     return {"out": out, "first": first, "last": last, "steps": steps,
             "bubble": float(found[5]), "seconds": time.monotonic() - start}
@@ -147,7 +132,7 @@ def test_device_group_of_four_interleaved() -> None:
     _assert_trained(got)
 
 
-@needs_mpi
+@needs_mpiexec
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
 def test_mpiexec_tp2_pp2(kind: str, tmp_path: Path) -> None:
@@ -163,7 +148,7 @@ def test_mpiexec_tp2_pp2(kind: str, tmp_path: Path) -> None:
     assert sum(e["ph"] == "X" for e in events) == 2 * 2 * m * chunks  # F and B per mb
 
 
-@needs_mpi
+@needs_mpiexec
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
 def test_mpiexec_dp2_pp2_tp2(kind: str) -> None:

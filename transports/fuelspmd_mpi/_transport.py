@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -384,18 +385,7 @@ class MPITransport:
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
-        if (staged := self._check2("all_gather", send, recv, 1, self.size)) is not None:
-            return staged
-        seq = self._next()
-        if send.size == 0:
-            return DONE
-        if self.size == 1:
-            recv.reshape(-1)[...] = send.reshape(-1)
-            return DONE
-        t = self._types
-        dt = t.move[send.dtype]
-        req = self._comm.Iallgather([t.view(send), dt], [t.view(recv), dt])
-        return MPIWork(req, self, "all_gather", seq, keep=(send, recv))
+        return self._exchange("all_gather", send, recv, 1, self._comm.Iallgather)
 
     def broadcast(self, buf: Any, root: int) -> Work:
         """Copy ``root``'s ``buf`` into every rank's ``buf``."""
@@ -413,7 +403,13 @@ class MPITransport:
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         """Send block ``r`` of ``send`` to rank ``r``; block ``r`` of ``recv`` comes from r."""
-        if (staged := self._check2("all_to_all", send, recv, self.size, self.size)) is not None:
+        return self._exchange("all_to_all", send, recv, self.size, self._comm.Ialltoall)
+
+    def _exchange(self, op: str, send: Any, recv: Any, send_factor: int,
+                  start: Callable[[Any, Any], Any]) -> Work:
+        """all_gather and all_to_all: data moved as it is (no reduction), ``recv`` holding
+        ``size`` blocks; one rank (or nothing to move) completes without MPI."""
+        if (staged := self._check2(op, send, recv, send_factor, self.size)) is not None:
             return staged
         seq = self._next()
         if send.size == 0:
@@ -423,8 +419,8 @@ class MPITransport:
             return DONE
         t = self._types
         dt = t.move[send.dtype]
-        req = self._comm.Ialltoall([t.view(send), dt], [t.view(recv), dt])
-        return MPIWork(req, self, "all_to_all", seq, keep=(send, recv))
+        return MPIWork(start([t.view(send), dt], [t.view(recv), dt]), self, op, seq,
+                       keep=(send, recv))
 
     def barrier(self) -> Work:
         """Complete once every rank of the group has entered the barrier."""

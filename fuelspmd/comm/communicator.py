@@ -92,6 +92,7 @@ class Communicator:
         self._received: dict[int, int] = {}   # peer -> messages received so far
         self._shared = getattr(transport, "all_reduce_shared", None)
         self._spare: dict[Any, Any] = {}  # staging copies, reused once unreferenced (ops.py)
+        self._lend = getattr(transport, "window_buffer", None)  # shared-window placement
         self._reduce_attrs: dict[Any, tuple[Any, ...]] = {}  # op as given -> node attrs
 
     def __repr__(self) -> str:

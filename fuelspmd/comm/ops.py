@@ -146,11 +146,27 @@ def _differentiable(op: str, rop: ReduceOp) -> None:
 
 
 # ---- all_reduce ---------------------------------------------------------------------------
+def _lent(comm: Any, nbytes: int, dt: Any) -> np.ndarray | None:
+    """The transport's free shared area for an all_reduce of ``nbytes`` of ``dt`` (uint8),
+    or None (see ``window_buffer`` of the MPI transport): an input placed there is reduced
+    where it lies and its result stays there, so ``x = comm.all_reduce(x)`` step after
+    step, or a bucket, copies nothing in or out. The transport answers the same on every
+    rank but whether the area is free, which only picks where the input goes."""
+    return None if comm._lend is None else comm._lend(nbytes, dt)
+
+
 def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
     comm, rop = attrs[0], attrs[2]
     if comm._shared is not None and be.kind != "cuda":
         out = comm._shared(x if be.kind == "cpu" else to_host(x), rop, comm.timeout)
         return Pending(comm, DONE, lambda: _back(be, out))
+    if comm._lend is not None and type(x) is np.ndarray:
+        # an input already in the area is donated as it is (it holds the area: None here)
+        area = comm._lend(x.nbytes, x.dtype)
+        if area is not None:
+            buf = area[:x.nbytes].view(x.dtype).reshape(x.shape)
+            np.copyto(buf, x)
+            return Pending(comm, comm.transport.all_reduce(buf, rop), lambda: buf)
     buf = _writable(be, x, donate, comm)
     return Pending(comm, comm.transport.all_reduce(buf, rop), lambda: _back(be, buf))
 
@@ -169,7 +185,13 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
     parts = [x if len(shp) == 1 else x.reshape(-1) for x, shp in zip(xs, shapes)]
     del xs  # the transport reads the bucket, not the inputs: let them go
     sizes = [p.size for p in parts]
-    flat = _spare(comm, (sum(sizes),), parts[0].dtype) if lib is np else None
+    flat = None
+    if lib is np:
+        dt = parts[0].dtype
+        total = sum(sizes)
+        area = _lent(comm, total * dt.itemsize, dt)
+        flat = (_spare(comm, (total,), dt) if area is None else
+                area[:total * dt.itemsize].view(dt))
     flat = lib.concatenate(parts, out=flat)
     del parts
     if comm._shared is not None and be.kind != "cuda":

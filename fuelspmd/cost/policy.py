@@ -14,9 +14,11 @@ Transport algorithms and how the model prices them:
   algorithms (ring, halving_doubling, doubling) on the group: what MPICH picks by size.
 - ``shm``: the shared-memory path of ``fuelspmd_mpi`` (a group on one CPU node), priced by
   :meth:`CostModel.estimate` with ``algorithm="shm"``, and chosen only where the ring's
-  working set (``n * N``) exceeds the last-level cache: below that MPI's copies stay in
-  cache and beat shm's calibrated rate, which no alpha-beta term says
-  (:meth:`CostModel.shm_min_bytes`).
+  working set (``n * N``) exceeds the last-level cache when the ranks outnumber the
+  cores: below that MPI's copies stay in cache and beat shm's whole-size path, which no
+  alpha-beta term says (:meth:`CostModel.shm_min_bytes`, :meth:`CostModel.shm_cache_gated`).
+  With a core per rank the pipelined path and the graph's placement in the window win
+  from the alpha-beta crossover.
 - ``hierarchical``: intra-node reduce-scatter, inter-node all-reduce per rail, intra-node
   all-gather over split communicators (a group on >= 2 nodes with the same number of its
   ranks on each).
@@ -104,7 +106,7 @@ def _candidates(model: CostModel, nbytes: float, group: list[int], llc: int | No
         out["hierarchical"] = (e.seconds, f"hierarchical ({e.bound})")
     if shm and "shm" in model.algorithms("all_reduce", group, opt_in=True):
         e = model.estimate("all_reduce", nbytes, group, algorithm="shm")
-        if llc is None or len(group) * nbytes > llc:
+        if llc is None or len(group) * nbytes > llc or not model.shm_cache_gated(group):
             out["shm"] = (e.seconds, "shared memory")
         else:
             out["shm (in cache)"] = (e.seconds, f"shared memory, not used: the ring's "

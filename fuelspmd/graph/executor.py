@@ -101,11 +101,22 @@ def _dead_leaf(x: Node) -> bool:
     node, no caller's variable and no view holds either. Such a buffer may be overwritten
     by an in-place collective (its result takes the buffer over), which saves the copy of
     the input. Only a numpy array that owns its memory qualifies (a view would share it
-    with its base).
+    with its base), or a view of an area lent by a transport (:func:`_lent_view`).
     """
     buf = x.buffer
-    return (sys.getrefcount(x) <= 3 and type(buf) is np.ndarray and buf.base is None
+    return (sys.getrefcount(x) <= 3 and type(buf) is np.ndarray
+            and (buf.base is None or _lent_view(buf))
             and sys.getrefcount(buf) <= 3 and buf.flags.writeable and buf.flags.c_contiguous)
+
+
+def _lent_view(buf: np.ndarray) -> bool:
+    """Whether ``buf`` is the only view of an array made over a memoryview of another
+    array, as a transport lends its shared window (``window_buffer``): nothing else refers
+    to that array, so nothing else sees the memory but its lender, which writes it only as
+    the buffer of the collective it is lent for."""
+    base = buf.base
+    return (type(base) is np.ndarray and sys.getrefcount(base) <= 3  # buf.base, base, arg
+            and isinstance(base.base, memoryview) and isinstance(base.base.obj, np.ndarray))
 
 
 def _direct(targets: list[Node]) -> list[Node] | None:

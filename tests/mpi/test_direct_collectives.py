@@ -61,3 +61,43 @@ def test_mixed_collectives_realised_in_reverse(world: fs.World) -> None:
     np.testing.assert_array_equal(ys[2].numpy(), np.arange(6.0) + n - 1)
     np.testing.assert_array_equal(ys[3].numpy(), np.full(2, float(sum(range(n)))))
     np.testing.assert_array_equal(ys[4].numpy(), np.full(n * 2, float(sum(range(n)))))
+
+
+def test_results_placed_in_the_shared_window_are_right_and_kept(world: fs.World) -> None:
+    """Where the transport reduces in shared memory (``window_buffer``), the graph puts the
+    input there: ``x = comm.all_reduce(x)`` then runs in place step after step, a result
+    still held keeps its values while the next all_reduces run, and a bucket is reduced in
+    the window too."""
+    t = world.comm.transport
+    comm = fs.Communicator(t, device=world.device, timeout=TIMEOUT, bucket_bytes=4 << 20)
+    r, n = comm.rank, comm.size
+    count = 1 << 20  # 4 MiB of float32: shm on one node with a core per rank
+    lend = getattr(t, "window_buffer", None)
+    placed = lend is not None and lend(count * 4, np.dtype(np.float32)) is not None
+    x = fs.tensor(_value(1, r, (count,)))
+    want = sum(_value(1, q, (count,)).astype(np.float64) for q in range(n))
+    addresses = set()
+    for step in range(3):
+        x = comm.all_reduce(x)
+        x.realize()
+        np.testing.assert_allclose(x.numpy(), want * n ** step, rtol=1e-5, atol=1e-5 * n ** step)
+        addresses.add(x.numpy().__array_interface__["data"][0])
+    if placed:
+        assert len(addresses) == 1  # reduced where it lay: nothing copied after the first
+    kept = x  # held: the next all_reduce of this size may not use the window
+    other = comm.all_reduce(fs.tensor(_value(2, r, (count,))))
+    other.realize()
+    np.testing.assert_allclose(other.numpy(), sum(_value(2, q, (count,)) for q in range(n)),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kept.numpy(), want * n ** 2, rtol=1e-5, atol=1e-4)
+    del x, kept, other
+    shapes = [(1 << 14,)] * 64  # one 4 MiB bucket
+    leaves = [fs.tensor(_value(10 + k, r, s)) for k, s in enumerate(shapes)]
+    first = [comm.all_reduce(v) for v in leaves]
+    fs.realize(*first)
+    second = [comm.all_reduce(v) for v in leaves]  # the window is held by `first`
+    fs.realize(*second)
+    for k, s in enumerate(shapes):
+        ref = sum(_value(10 + k, q, s).astype(np.float64) for q in range(n))
+        np.testing.assert_allclose(first[k].numpy(), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(second[k].numpy(), ref, rtol=1e-5, atol=1e-5)

@@ -284,3 +284,60 @@ def test_one_rank_that_lost_its_core_sends_everyone_down_the_whole_size_path(
     world.all_reduce(x, "sum").wait()
     np.testing.assert_array_equal(x, fold("vote", world.size, count, "float64", "sum"))
     assert shm._pipe_chunks == before  # no rank ran a chunk: they all agreed
+
+
+def test_inputs_in_the_lent_area_reduce_in_place(world: Any) -> None:
+    """Every rank's input in its lent area (the in-window path), then one rank's only
+    (mixed: that rank copies in like the others), then none: the same fold each time,
+    at a whole-size and at a pipelined size."""
+    for count in (70_001, (4 << 20) // 4 + 3):
+        area = world.shared_buffer(count * 4).view(np.float32)
+        for placed in ("all", "rank 0", "none"):
+            name = f"lent-{count}-{placed}"
+            here = placed == "all" or (placed == "rank 0" and world.rank == 0)
+            x = area if here else np.empty(count, np.float32)
+            x[...] = data(name, world.rank, count, "float32")
+            world.all_reduce(x, "sum").wait()
+            np.testing.assert_array_equal(x, fold(name, world.size, count, "float32", "sum"))
+        del area, x
+
+
+def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
+    """window_buffer lends the area only while nobody holds a view of it; an all_reduce of
+    a private buffer of the same size class never writes it."""
+    count = 300_000  # float32, 1.2 MiB (the policy here: shm at every size)
+    area = world.window_buffer(count * 4, np.dtype(np.float32))
+    if world.size == 1:
+        assert area is None  # one rank: nothing is reduced in shared memory
+        return
+    assert area is not None and area.nbytes >= count * 4
+    held = area[:count * 4].view(np.float32)
+    del area
+    held[...] = data("held", world.rank, count, "float32")
+    world.all_reduce(held, "sum").wait()
+    want = fold("held", world.size, count, "float32", "sum")
+    np.testing.assert_array_equal(held, want)
+    assert world.window_buffer(count * 4, np.dtype(np.float32)) is None  # held
+    other = data("other", world.rank, count - 5, "float32")  # same size class, private
+    world.all_reduce(other, "max").wait()
+    np.testing.assert_array_equal(other, fold("other", world.size, count - 5, "float32", "max"))
+    np.testing.assert_array_equal(held, want)  # untouched
+    del held
+    assert world.window_buffer(count * 4, np.dtype(np.float32)) is not None  # free again
+    assert world.window_buffer(count * 4, np.dtype(np.float16)) is None  # MPI reduces it
+
+
+def test_a_held_lent_area_outlives_a_policy_change() -> None:
+    """A result that lives in a lent area stays readable after the windows are freed."""
+    from fuelspmd_mpi import plugin
+
+    t = plugin.world(timeout=TIMEOUT)
+    try:
+        t.set_all_reduce_policy(algorithm="shm")
+        x = t.shared_buffer(4096 * 8).view(np.float64)
+        x[...] = data("outlive", t.rank, 4096, "float64")
+        t.all_reduce(x, "sum").wait()
+        t.set_all_reduce_policy(algorithm="mpi")  # frees the windows, but not this one
+        np.testing.assert_array_equal(x, fold("outlive", t.size, 4096, "float64", "sum"))
+    finally:
+        t.finalize()

@@ -92,6 +92,8 @@ class MPITransport:
         # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
         # decides; the shared-memory path and the node/rail splits it may use
         self._shm: ShmAllReduce | None = None
+        self._lend_for: dict[tuple[int, Any], int] = {}  # (bytes, dtype) -> lent or not
+        self._kept_windows: list[Any] = []  # lent windows still held at a free (_shm.free)
         self._hier: Hierarchical | None = None
         self._route = Route(manual_bands("mpi", 0, 0, "the default"))
         self._planner: Any = None
@@ -327,6 +329,32 @@ class MPITransport:
             return np.empty(int(nbytes), np.uint8)
         return self._shm.shared_buffer(int(nbytes))
 
+    def window_buffer(self, nbytes: int, dtype: Any) -> np.ndarray | None:
+        """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of
+        ``nbytes`` of ``dtype`` to take as its buffer, or None: when this transport would
+        not reduce it in shared memory (another algorithm for the size, a dtype the shm
+        path leaves to MPI, over the cap), or when someone still holds a view of the area.
+
+        The lazy graph's placement (fuelspmd.comm.ops): an all_reduce input copied into it,
+        or produced there, is reduced where it lies, and its result stays there, so a
+        program that feeds the result to the next all_reduce (gradients step after step, a
+        bucket) copies nothing. Collective on the first call for a size class, like
+        :meth:`shared_buffer`; every rank reaches it in the same collective order.
+        """
+        key = (nbytes, dtype)
+        lent = self._lend_for.get(key)
+        if lent is None:
+            lent = 0
+            if (self._shm is not None and nbytes > 0
+                    and self.all_reduce_algorithm(nbytes, dtype) == "shm"):
+                try:
+                    self._shm.shared_buffer(nbytes)
+                    lent = 1
+                except ConfigError:  # over the cap: every rank decides the same
+                    lent = 0
+            self._lend_for[key] = lent
+        return self._shm.lent_area(nbytes) if lent else None  # type: ignore[union-attr]
+
     @property
     def shared_window_bytes(self) -> int:
         """Bytes of shared window this rank holds for the shm all-reduce (0 when it is off)."""
@@ -340,8 +368,9 @@ class MPITransport:
     def _free_shm(self) -> None:
         """Free the shm windows and the node/rail splits; the route falls back to MPI."""
         if self._shm is not None:
-            self._shm.free()
+            self._kept_windows += self._shm.free()
             self._shm = None
+        self._lend_for.clear()
         if self._hier is not None:
             self._hier.free()
             self._hier = None

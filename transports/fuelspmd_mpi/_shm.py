@@ -86,22 +86,24 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError, ConfigError
+from fuelspmd.errors import CommTimeoutError, ConfigError
 from fuelspmd.transport import ReduceOp
+from fuelspmd_mpi._shm_window import (
+    HEADER,
+    MIN_CLASS,
+    OP_CODE,
+    SHM_DTYPES,
+    UFUNC,
+    Window,
+    address,
+    check_headers,
+    fold,
+    round_up,
+    size_class,
+)
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
-MIN_CLASS = 1 << 16  # smallest window: bytes per rank
-HEADER = 64  # bytes before each segment's data: keeps the data 64-byte aligned
-# numpy dtypes reduced here; float16, bfloat16 and bool keep the MPI path (float32 staging,
-# logical ops), which costs little next to their conversions
-SHM_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
-_UFUNC = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-_OP_CODE = {op: i for i, op in enumerate(ReduceOp)}
-_DTYPE_NAME = {d.num: d.name for d in SHM_DTYPES}
-# bytes folded per ufunc call: the partial result stays in L2 while it is written out
-_CHUNK_BYTES = 1 << 18
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
 # The pipelined path (every rank on a core of its own): from this size, in chunks of this
@@ -119,56 +121,6 @@ _SLOW_CALLS = 16
 def _cores() -> int:
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-
-
-def size_class(nbytes: int) -> int:
-    """Return the window size (bytes per rank) that holds ``nbytes``: a power of two."""
-    return max(MIN_CLASS, 1 << max(0, int(nbytes) - 1).bit_length())
-
-
-def _address(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
-
-class _Window:
-    """One shared window per size class: each rank's segment is a 64-byte header, the data
-    area (``nbytes``) and two result areas (``nbytes / n`` each, rounded up), mapped as
-    numpy arrays. Calls alternate between the result areas (``calls % 2``). A window that
-    is lent (:meth:`ShmAllReduce.shared_buffer`) has no result areas."""
-
-    __slots__ = ("calls", "data", "headers", "nbytes", "results", "win")
-
-    def __init__(self, MPI: Any, node: Any, nbytes: int, *, lent: bool = False) -> None:
-        n = node.Get_size()
-        # a slice, one more element, aligned
-        part = 0 if lent else _round_up(-(-nbytes // n) + 8, HEADER)
-        seg = HEADER + nbytes + 2 * part
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's NUMA node
-        try:
-            self.win = MPI.Win.Allocate_shared(seg, 1, info, comm=node)
-        finally:
-            info.Free()
-        self.nbytes = nbytes
-        self.calls = 0
-        segs = [np.frombuffer(self.win.Shared_query(k)[0], np.uint8, seg) for k in range(n)]
-        self.headers = [s[:HEADER].view(np.int64) for s in segs]
-        self.data = [s[HEADER:HEADER + nbytes] for s in segs]
-        self.results = [[s[HEADER + nbytes + i * part:HEADER + nbytes + (i + 1) * part]
-                         for s in segs] for i in (0, 1)]
-        if self.win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:
-            self.win.Free()
-            raise RuntimeError("this MPI gave a shared window the separate memory model; "
-                               "the shared-memory all-reduce relies on the unified one")
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-
-    def free(self) -> None:
-        self.win.Unlock_all()
-        self.win.Free()
-
-
-def _round_up(x: int, to: int) -> int:
-    return -(-x // to) * to
 
 
 class ShmAllReduce:
@@ -189,11 +141,11 @@ class ShmAllReduce:
         self.cap_bytes = int(cap_bytes)
         self.timeout = float(timeout)
         self._late = late
-        self._windows: dict[int, _Window] = {}
+        self._windows: dict[int, Window] = {}
         # the data areas handed out by shared_buffer, one per size class: never the copy-in
         # area of _windows, which a call with a private buffer overwrites while the caller
         # may still hold the lent one (a graph result lives there)
-        self._lent: dict[int, _Window] = {}
+        self._lent: dict[int, Window] = {}
         # per class, a weak reference to the whole lent area as an array of its own (its
         # base a memoryview), so that every view handed out refers to that one object: it
         # is alive exactly while someone (a caller, a graph result) holds part of the area
@@ -295,7 +247,7 @@ class ShmAllReduce:
         """The pipelined path's window (collective on first use): per rank two input slots
         of ``_PIPE_CHUNK`` bytes and two result slots; None when over the cap."""
         if self._pipe_win is None:
-            part = _round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
+            part = round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
             seg = 2 * _PIPE_CHUNK + 2 * part
             if self.allocated_bytes + seg > self.cap_bytes:
                 return None
@@ -314,20 +266,20 @@ class ShmAllReduce:
             self._pipe_bytes = seg
         return self._pipe_win
 
-    def window(self, nbytes: int) -> _Window | None:
+    def window(self, nbytes: int) -> Window | None:
         """Return the window of ``nbytes``' class, allocating it (collective) within the cap."""
         cls = size_class(nbytes)
         w = self._windows.get(cls)
         if w is None:
             if self.allocated_bytes + cls > self.cap_bytes:
                 return None
-            w = self._windows[cls] = _Window(self._MPI, self._node, cls)
+            w = self._windows[cls] = Window(self._MPI, self._node, cls)
         return w
 
     def _in_window(self, flat: np.ndarray) -> bool:
         """Whether ``flat`` starts the lent area of its size class (see shared_buffer)."""
         w = self._lent.get(size_class(flat.nbytes))
-        return w is not None and _address(flat) == _address(w.data[self.rank])
+        return w is not None and address(flat) == address(w.data[self.rank])
 
     def shared_buffer(self, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` (uint8) of a lent shared area, for a zero-copy all_reduce input.
@@ -351,7 +303,7 @@ class ShmAllReduce:
                     f"rank's shared memory to {self.allocated_bytes + cls} bytes, above "
                     f"cap_bytes={self.cap_bytes}; raise cap_bytes in set_all_reduce_policy "
                     f"or ask for less")
-            w = self._lent[cls] = _Window(self._MPI, self._node, cls, lent=True)
+            w = self._lent[cls] = Window(self._MPI, self._node, cls, lent=True)
         area = self._holds[cls]() if cls in self._holds else None
         return (self._hold(cls) if area is None else area)[:nbytes]
 
@@ -384,15 +336,15 @@ class ShmAllReduce:
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
         lent = self._lent.get(size_class(flat.nbytes))
-        zero_copy = lent is not None and _address(flat) == _address(lent.data[r])
+        zero_copy = lent is not None and address(flat) == address(lent.data[r])
         mine = w.data[r][:flat.nbytes].view(dt)
         if not zero_copy:  # our own slice is read from the caller's buffer, not copied in
             mine[:lo] = flat[:lo]
             mine[hi:] = flat[hi:]
         self._calls += 1
-        w.headers[r][:5] = (count, dt.num, _OP_CODE[op], self._calls, zero_copy)
+        w.headers[r][:5] = (count, dt.num, OP_CODE[op], self._calls, zero_copy)
         self._sync(w.win, seq)
-        self._check_headers(w.headers, seq)
+        check_headers(w.headers, self.rank, seq)
         placed = [bool(h[4]) for h in w.headers]
         if all(placed):
             segs = [d[:flat.nbytes].view(dt) for d in lent.data]  # type: ignore[union-attr]
@@ -409,7 +361,7 @@ class ShmAllReduce:
         w.calls += 1
         res = [a[:(bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
                for k, a in enumerate(area)]
-        self._reduce([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, res[r],
+        fold([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, res[r],
                      flat[lo:hi])
         self._sync(w.win, seq)
         for k in range(n):
@@ -444,9 +396,9 @@ class ShmAllReduce:
         # the vote: bit 0, this rank lost its core lately; bit 1, its input is in its window
         self._flags[r][3] = (self._slow_left > 0) | (self._in_window(flat) << 1)
         self._slow_left = max(0, self._slow_left - 1)
-        self._flags[r][4:8] = (count, dt.num, _OP_CODE[op], self._calls)
+        self._flags[r][4:8] = (count, dt.num, OP_CODE[op], self._calls)
         self._sync(win, seq)
-        self._check_headers([f[4:8] for f in self._flags], seq)
+        check_headers([f[4:8] for f in self._flags], self.rank, seq)
         votes = [int(f[3]) for f in self._flags]
         if any(v & 1 for v in votes) or all(v & 2 for v in votes):
             return False
@@ -456,7 +408,7 @@ class ShmAllReduce:
                  for i in (0, 1)]
         half = len(res[0]) // 2
         results = [[a[i * half:(i + 1) * half].view(dt) for a in res] for i in (0, 1)]
-        ufunc, avg = _UFUNC[op], op is ReduceOp.AVG
+        ufunc, avg = UFUNC[op], op is ReduceOp.AVG
         tmp = np.empty(-(-step // n) + 1, dt) if n > 2 else None
         for c0 in range(0, count, step):
             chunk = flat[c0:c0 + step]
@@ -492,23 +444,6 @@ class ShmAllReduce:
             self._slow_left = _SLOW_CALLS
         return True
 
-    def _check_headers(self, headers: list[np.ndarray], seq: int) -> None:
-        mine = headers[self.rank][:4]
-        if all((h[:4] == mine).all() for h in headers):
-            return
-        names = ("count", "dtype", "op", "call number (a rank is in another size class)")
-        rows = []
-        for k, h in enumerate(headers):
-            c, d, o, call = (int(x) for x in h[:4])
-            op = list(ReduceOp)[o].value if 0 <= o < len(ReduceOp) else "?"
-            rows.append(f"rank {k}: count={c} dtype={_DTYPE_NAME.get(d, d)}"
-                        f" op={op} call={call}")
-        differ = [names[i] for i in range(4) if len({int(h[i]) for h in headers}) > 1]
-        raise CollectiveMismatchError(
-            f"all_reduce #{seq} (shared memory) on rank {self.rank}: the ranks disagree on "
-            f"{', '.join(differ)} ({'; '.join(rows)}); every rank must all_reduce the same "
-            f"number of elements of the same dtype with the same op")
-
     def _reduce_in_window(self, segs: list[np.ndarray], bounds: list[int], op: ReduceOp,
                           win: Any, seq: int) -> None:
         """The all-reduce when every rank's input is its own segment's data area.
@@ -524,48 +459,14 @@ class ShmAllReduce:
         r, n = self.rank, self.size
         lo, hi = bounds[r], bounds[r + 1]
         mine = segs[r]
-        self._reduce(segs, lo, hi, op, None, mine[lo:hi])
+        fold(segs, lo, hi, op, None, mine[lo:hi])
         self._sync(win, seq)
         for k in range(n):
             if k != r:
                 mine[bounds[k]:bounds[k + 1]] = segs[k][bounds[k]:bounds[k + 1]]
         self._sync(win, seq)
 
-    def _reduce(self, srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp,
-                dest: np.ndarray | None, also: np.ndarray) -> None:
-        """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)``.
-
-        The result goes to ``also`` (the caller's slice ``[lo, hi)``) and to ``dest`` (this
-        call's result area, where peers read it), both indexed from 0. Chunks keep the
-        partial result in cache, so writing it twice costs one extra pass over cache, not
-        over memory. ``also`` may be this rank's own input at the same indices: with two
-        ranks the fold writes it elementwise (safe); with more, a later fold step would
-        read an overwritten input, so the chunk is folded in a scratch buffer first.
-        """
-        if hi <= lo:
-            return
-        ufunc, n = _UFUNC[op], len(srcs)
-        avg = op is ReduceOp.AVG
-        step = max(1, _CHUNK_BYTES // also.itemsize)
-        tmp = np.empty(min(step, hi - lo), also.dtype) if n > 2 else None
-        for a in range(0, hi - lo, step):
-            b = min(hi - lo, a + step)
-            o = also[a:b]
-            t = o if tmp is None else tmp[:b - a]
-            ufunc(srcs[0][lo + a:lo + b], srcs[1][lo + a:lo + b], out=t)
-            for k in range(2, n):
-                ufunc(t, srcs[k][lo + a:lo + b], out=t)
-            if avg:
-                if t.dtype.kind == "f":
-                    np.divide(t, n, out=t)
-                else:
-                    np.floor_divide(t, n, out=t)
-            if tmp is not None:
-                o[...] = t
-            if dest is not None:
-                dest[a:b] = t
-
-    def free(self) -> list[_Window]:
+    def free(self) -> list[Window]:
         """Free the windows and the node communicator (collective over the group).
 
         A lent area some rank still holds a view of (a graph result may live there) is not

@@ -56,6 +56,11 @@ class GuardedTransport:
         self.inner = transport
         self.guard = Guard(transport, mode=mode, timeout=timeout, recorder=recorder,
                            group=group, trace_dir=trace_dir)
+        # an optional capability, passed through: the shared area the transport lends an
+        # all_reduce input (the graph places inputs there; the all_reduce is guarded as any)
+        lend = getattr(transport, "window_buffer", None)
+        if lend is not None:
+            self.window_buffer = lend
         self.name = f"guarded-{transport.name}"
         self.rank, self.size = transport.rank, transport.size
         self.seq = 0   # the next operation's number (every op counts)

@@ -102,6 +102,9 @@ class ClockedTransport:
         self.inner = transport
         self.name, self.rank, self.size = transport.name, transport.rank, transport.size
         self.log: list[list[float]] = []
+        lend = getattr(transport, "window_buffer", None)  # optional: the shared window
+        if lend is not None:
+            self.window_buffer = lend
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Work:
         stamp = [time.perf_counter()]

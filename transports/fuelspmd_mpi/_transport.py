@@ -352,7 +352,8 @@ class MPITransport:
                     lent = 1
                 except ConfigError:  # over the cap: every rank decides the same
                     lent = 0
-            self._lend_for[key] = lent
+            if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
+                self._lend_for[key] = lent
         return self._shm.lent_area(nbytes) if lent else None  # type: ignore[union-attr]
 
     @property

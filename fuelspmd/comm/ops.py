@@ -160,9 +160,9 @@ def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) ->
     if comm._shared is not None and be.kind != "cuda":
         out = comm._shared(x if be.kind == "cpu" else to_host(x), rop, comm.timeout)
         return Pending(comm, DONE, lambda: _back(be, out))
-    if comm._lend is not None and type(x) is np.ndarray:
+    if type(x) is np.ndarray:
         # an input already in the area is donated as it is (it holds the area: None here)
-        area = comm._lend(x.nbytes, x.dtype)
+        area = _lent(comm, x.nbytes, x.dtype)
         if area is not None:
             buf = area[:x.nbytes].view(x.dtype).reshape(x.shape)
             np.copyto(buf, x)

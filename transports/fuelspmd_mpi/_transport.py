@@ -92,7 +92,7 @@ class MPITransport:
         # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
         # decides; the shared-memory path and the node/rail splits it may use
         self._shm: ShmAllReduce | None = None
-        self._lend_for: dict[tuple[int, Any], int] = {}  # (bytes, dtype) -> lent or not
+        self._lend_for: dict[tuple[int, Any], bool] = {}  # (bytes, dtype) -> lent or not
         self._kept_windows: list[Any] = []  # lent windows still held at a free (_shm.free)
         self._hier: Hierarchical | None = None
         self._route = Route(manual_bands("mpi", 0, 0, "the default"))
@@ -344,14 +344,14 @@ class MPITransport:
         key = (nbytes, dtype)
         lent = self._lend_for.get(key)
         if lent is None:
-            lent = 0
+            lent = False
             if (self._shm is not None and nbytes > 0
                     and self.all_reduce_algorithm(nbytes, dtype) == "shm"):
                 try:
                     self._shm.shared_buffer(nbytes)
-                    lent = 1
+                    lent = True
                 except ConfigError:  # over the cap: every rank decides the same
-                    lent = 0
+                    pass
             if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
                 self._lend_for[key] = lent
         return self._shm.lent_area(nbytes) if lent else None  # type: ignore[union-attr]

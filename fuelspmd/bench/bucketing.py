@@ -11,7 +11,9 @@ a barrier and timed on the slowest rank:
 - ``lazy``: the same all_reduces built on leaves (made once, as parameters are) on a
   Communicator without bucketing and realised together (one graph, ``count`` calls);
 - ``bucketed``: the same on a Communicator with ``bucket_bytes`` set: the planner fuses
-  them into buckets (one transport call per bucket) and splits the results back out;
+  them into buckets (one transport call per bucket) and splits the results back out (a
+  bucket is concatenated into the transport's shared window where it reduces the bucket's
+  size in shared memory, ``transport.explain_all_reduce``, and reduced where it lies);
 - ``floor``: raw ``Allreduce(IN_PLACE)`` calls on buffers already holding whole buckets
   (no concatenation, no split, no graph): the best any bucketing can do on this machine,
   as the transport's bandwidth at the bucket size sets it;

@@ -362,7 +362,7 @@ class ShmAllReduce:
         res = [a[:(bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
                for k, a in enumerate(area)]
         fold([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, res[r],
-                     flat[lo:hi])
+             flat[lo:hi])
         self._sync(w.win, seq)
         for k in range(n):
             if k != r:

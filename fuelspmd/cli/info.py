@@ -13,6 +13,7 @@ import numpy as np
 import fuelspmd
 from fuelspmd.backend import cuda_device_count
 from fuelspmd.cost import load_calibration
+from fuelspmd.cost.collectives import format_bytes
 from fuelspmd.launch import init
 from fuelspmd.topology import detect
 from fuelspmd.transport import find_transports
@@ -36,6 +37,19 @@ def _transports() -> list[dict[str, Any]]:
     return rows
 
 
+# all-reduce sizes whose algorithm ``info`` shows: the transport's plan at a glance
+PLAN_SIZES = (8, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+
+
+def _all_reduce_plan(transport: Any) -> dict[str, str] | None:
+    """The algorithm the world transport runs for a float32 all-reduce of each of
+    ``PLAN_SIZES`` bytes (None when the transport has no choice to report)."""
+    choose = getattr(transport, "all_reduce_algorithm", None)
+    if choose is None:
+        return None
+    return {format_bytes(n): choose(n, np.float32) for n in PLAN_SIZES}
+
+
 def collect() -> dict[str, Any]:
     """Gather the facts ``info`` prints (starts the world, as every rank must)."""
     world = init()
@@ -51,6 +65,7 @@ def collect() -> dict[str, Any]:
         "transport": world.transport.name,
         "device": str(world.device),
         "cuda_devices": gpus,
+        "all_reduce": _all_reduce_plan(world.transport),
         "transports": _transports(),
     }
 
@@ -78,8 +93,11 @@ def main(argv: list[str]) -> int:
         f"launcher   {facts['launcher']}: {facts['size']} rank(s) on {nodes}",
         f"world      transport {facts['transport']}, device of rank 0: {facts['device']}",
         f"devices    cpu, cuda x {facts['cuda_devices']}",
-        "transports",
     ]
+    if facts["all_reduce"]:
+        plan = ", ".join(f"{size} {algo}" for size, algo in facts["all_reduce"].items())
+        out.append(f"all_reduce {plan}  (why: transport.explain_all_reduce(nbytes))")
+    out.append("transports")
     for t in facts["transports"]:
         state = "ok" if not t["unavailable"] else f"unavailable: {t['unavailable']}"
         out.append(f"  {t['name']:<8} {state}")

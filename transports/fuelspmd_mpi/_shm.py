@@ -64,10 +64,13 @@ few microseconds and, on a busy machine, loses it to another job for a time slic
 Windows are allocated once per size class (powers of two, at least 64 KiB) and kept until
 :meth:`ShmAllReduce.free`; their total per rank is capped (``cap_bytes``), and a call that
 would need a window beyond the cap goes through MPI instead (every rank decides the same,
-since all ranks see the same sequence of collective sizes). Each segment starts with a
-64-byte header (element count, dtype, op, call number) that every rank checks against its
-peers' after the first sync: ranks that disagree raise CollectiveMismatchError, every one
-of them, instead of reading past a segment.
+since all ranks see the same sequence of collective sizes). A copy-in window is made by
+the first call of its class whose inputs are not all placed, after the first sync (every
+rank is there), so a class whose inputs are always placed never holds one. Each call
+writes a header (element count, dtype, op, call number, placed) into the rank's line of
+the flag window, which every rank checks against its peers' after the first sync: ranks
+that disagree raise CollectiveMismatchError, every one of them, instead of reading past a
+segment.
 
 Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when
 the group spans several nodes (``Split_type(COMM_TYPE_SHARED)`` is smaller than the
@@ -104,6 +107,10 @@ from fuelspmd_mpi._shm_window import (
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
+# int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
+# pipelined handshakes, 3 its vote, 4-7 its header, 8-12 the whole-size path's header and
+# placement
+_FLAG_WORDS = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
 # The pipelined path (every rank on a core of its own): from this size, in chunks of this
@@ -150,19 +157,19 @@ class ShmAllReduce:
         # base a memoryview), so that every view handed out refers to that one object: it
         # is alive exactly while someone (a caller, a graph result) holds part of the area
         self._holds: dict[int, weakref.ref[np.ndarray]] = {}
-        # shm all-reduces so far, in every segment header: a rank whose call landed in
-        # another window (a different size) leaves a stale header here, which this exposes
+        # shm all-reduces so far, in every call's header
         self._calls = 0
-        # The phase flags: one 64-byte line per rank in a window of their own, so ranks
-        # whose calls landed in different data windows still meet (and then see the
-        # mismatch in the headers) instead of waiting for each other until the deadline.
+        # The phase flags and call headers: one 64-byte line per rank in a window of their
+        # own, so ranks whose calls would land in different data windows still meet (and
+        # then see the mismatch in the headers) instead of waiting for each other until the
+        # deadline.
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")
         try:
-            self._flag_win = MPI.Win.Allocate_shared(HEADER, 1, info, comm=node)
+            self._flag_win = MPI.Win.Allocate_shared(_FLAG_WORDS * 8, 1, info, comm=node)
         finally:
             info.Free()
-        self._flags = [np.frombuffer(self._flag_win.Shared_query(k)[0], np.int64, 8)
+        self._flags = [np.frombuffer(self._flag_win.Shared_query(k)[0], np.int64, _FLAG_WORDS)
                        for k in range(self.size)]
         self._flags[self.rank][:] = 0
         self._flag_win.Lock_all(MPI.MODE_NOCHECK)
@@ -198,7 +205,7 @@ class ShmAllReduce:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of window this rank holds (its segments, headers excluded)."""
+        """Bytes of window this rank holds (its segments, the flag line excluded)."""
         return sum(self._windows) + sum(self._lent) + self._pipe_bytes
 
     def _sync(self, win: Any, seq: int) -> None:
@@ -327,34 +334,42 @@ class ShmAllReduce:
         if (self.pipelined and buf.nbytes >= PIPE_MIN and self._pipe() is not None
                 and self._pipelined(buf.reshape(-1), op, seq)):
             return True
-        w = self.window(buf.nbytes)
-        if w is None:
-            return False
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         base, extra = divmod(count, n)
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
-        lent = self._lent.get(size_class(flat.nbytes))
+        cls = size_class(flat.nbytes)
+        lent = self._lent.get(cls)
         zero_copy = lent is not None and address(flat) == address(lent.data[r])
-        mine = w.data[r][:flat.nbytes].view(dt)
-        if not zero_copy:  # our own slice is read from the caller's buffer, not copied in
-            mine[:lo] = flat[:lo]
-            mine[hi:] = flat[hi:]
+        # the copy-in window exists on every rank or on none (allocating it is collective):
+        # one that exists is filled before the first sync; a first copied call of its class
+        # allocates it after, so that calls whose inputs are all placed never need it
+        w = self._windows.get(cls)
+        copied = w is not None and not zero_copy
+        if copied:  # our own slice is read from the caller's buffer, not copied in
+            self._copy_in(w, flat, lo, hi)
         self._calls += 1
-        w.headers[r][:5] = (count, dt.num, OP_CODE[op], self._calls, zero_copy)
-        self._sync(w.win, seq)
-        check_headers(w.headers, self.rank, seq)
-        placed = [bool(h[4]) for h in w.headers]
+        # the whole-size header has words of its own: a peer may still read the pipelined
+        # path's header and vote of this same call, which took no sync since
+        mine = self._flags[r]
+        mine[8:13] = (count, dt.num, OP_CODE[op], self._calls, zero_copy)
+        self._sync(self._flag_win, seq)
+        check_headers([f[8:12] for f in self._flags], r, seq)
+        placed = [f[12] for f in self._flags]
         if all(placed):
             segs = [d[:flat.nbytes].view(dt) for d in lent.data]  # type: ignore[union-attr]
             self._reduce_in_window(segs, bounds, op, lent.win, seq)  # type: ignore[union-attr]
             return True
-        if any(placed):  # some inputs are in their lent areas, not all: copy those in too
-            if zero_copy:
-                mine[:lo] = flat[:lo]
-                mine[hi:] = flat[hi:]
+        if w is None:
+            w = self.window(flat.nbytes)
+            if w is None:  # beyond the cap: every rank decides the same, MPI reduces it
+                return False
+        if not copied:  # placed while a peer's input is not, or the window was just made
+            self._copy_in(w, flat, lo, hi)
             self._sync(w.win, seq)
+        elif any(placed):
+            self._sync(w.win, seq)  # the placed ranks copy in now: wait for them
         segs = [d[:flat.nbytes].view(dt) for d in w.data]
         # this call's result areas: the previous call's are still read by a slower peer
         area = w.results[w.calls % 2]
@@ -368,6 +383,12 @@ class ShmAllReduce:
             if k != r:
                 flat[bounds[k]:bounds[k + 1]] = res[k]
         return True
+
+    def _copy_in(self, w: Window, flat: np.ndarray, lo: int, hi: int) -> None:
+        """Copy ``flat`` into this rank's data area of ``w``, all but its own slice."""
+        mine = w.data[self.rank][:flat.nbytes].view(flat.dtype)
+        mine[:lo] = flat[:lo]
+        mine[hi:] = flat[hi:]
 
     def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """The all-reduce in chunks of ``_PIPE_CHUNK`` bytes through two small slots.

@@ -1,11 +1,12 @@
-"""The shared windows of the shm all-reduce (:mod:`fuelspmd_mpi._shm`), their headers, and
-the fold: the parts that hold no state of a group.
+"""The shared windows of the shm all-reduce (:mod:`fuelspmd_mpi._shm`), the check of the
+call headers, and the fold: the parts that hold no state of a group.
 
-A window per size class (powers of two, at least ``MIN_CLASS``): each rank's segment is a
-64-byte header, the data area and, unless the window is lent, two result areas. The header
-carries (count, dtype, op, call number, placed); :func:`check_headers` turns ranks that
-disagree into a CollectiveMismatchError on each of them. :func:`fold` reduces one slice in
-rank order, so every rank gets the bitwise-same result.
+A window per size class (powers of two, at least ``MIN_CLASS``): each rank's segment is
+the data area and, unless the window is lent, two result areas. Each call's header
+(count, dtype, op, call number) goes in the rank's line of the flag window;
+:func:`check_headers` turns ranks that disagree into a CollectiveMismatchError on each of
+them. :func:`fold` reduces one slice in rank order, so every rank gets the bitwise-same
+result.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["HEADER", "MIN_CLASS", "OP_CODE", "SHM_DTYPES", "UFUNC", "Window", "a
            "check_headers", "fold", "round_up", "size_class"]
 
 MIN_CLASS = 1 << 16  # smallest window: bytes per rank
-HEADER = 64  # bytes before each segment's data: keeps the data 64-byte aligned
+HEADER = 64  # a cache line: a rank's flag line, and the alignment of the result areas
 # numpy dtypes reduced here; float16, bfloat16 and bool keep the MPI path (float32 staging,
 # logical ops), which costs little next to their conversions
 SHM_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
@@ -44,18 +45,18 @@ def address(a: np.ndarray) -> int:
 
 
 class Window:
-    """One shared window per size class: each rank's segment is a 64-byte header, the data
-    area (``nbytes``) and two result areas (``nbytes / n`` each, rounded up), mapped as
-    numpy arrays. Calls alternate between the result areas (``calls % 2``). A window that
-    is lent (``ShmAllReduce.shared_buffer``) has no result areas."""
+    """One shared window per size class: each rank's segment is the data area (``nbytes``)
+    and two result areas (``nbytes / n`` each, rounded up), mapped as numpy arrays. Calls
+    alternate between the result areas (``calls % 2``). A window that is lent
+    (``ShmAllReduce.shared_buffer``) has no result areas."""
 
-    __slots__ = ("calls", "data", "headers", "nbytes", "results", "win")
+    __slots__ = ("calls", "data", "nbytes", "results", "win")
 
     def __init__(self, MPI: Any, node: Any, nbytes: int, *, lent: bool = False) -> None:
         n = node.Get_size()
         # a slice, one more element, aligned
         part = 0 if lent else round_up(-(-nbytes // n) + 8, HEADER)
-        seg = HEADER + nbytes + 2 * part
+        seg = nbytes + 2 * part
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's NUMA node
         try:
@@ -65,10 +66,9 @@ class Window:
         self.nbytes = nbytes
         self.calls = 0
         segs = [np.frombuffer(self.win.Shared_query(k)[0], np.uint8, seg) for k in range(n)]
-        self.headers = [s[:HEADER].view(np.int64) for s in segs]
-        self.data = [s[HEADER:HEADER + nbytes] for s in segs]
-        self.results = [[s[HEADER + nbytes + i * part:HEADER + nbytes + (i + 1) * part]
-                         for s in segs] for i in (0, 1)]
+        self.data = [s[:nbytes] for s in segs]
+        self.results = [[s[nbytes + i * part:nbytes + (i + 1) * part] for s in segs]
+                        for i in (0, 1)]
         if self.win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:
             self.win.Free()
             raise RuntimeError("this MPI gave a shared window the separate memory model; "

@@ -35,6 +35,9 @@ each action's compute, timed with ``time.perf_counter`` on its rank):
 - ``sim bubble``: the simulator's bubble with the measured action times (no transfer
   time), so a gap between it and the formula is uneven action times, and a gap between it
   and ``bubble`` is transfer and wait overhead;
+- ``jitter``: how much identical actions vary, the median over ranks and kinds of the
+  standard deviation of the micro-batches' F (or B) times over their mean (0.05-0.10
+  here: this machine, not the ranks' interference; docs/pipeline.md);
 - ``imbalance``: the slowest stage's mean F+B per micro-batch over the mean of the
   stages, minus 1 (at p = 2 it is e/2 above: each 1% adds about 6% to bubble/formula at m = 8);
   ``stage formula`` is ``simulate()`` with each stage's mean F and B times (the formula
@@ -57,6 +60,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -193,6 +197,7 @@ def run(*, microbatches: int, hidden: int, batch: int, layers: int, steps: int, 
                 f.setdefault(f"f{r}", []).append(t_f[r] * 1e3)
                 f.setdefault(f"b{r}", []).append(t_b[r] * 1e3)
             f.setdefault("imbalance", []).append(max(per) / (sum(per) / len(per)) - 1.0)
+            f.setdefault("jitter", []).append(_jitter(ex.schedule, took))
             f.setdefault("step_ms", []).append(tl.makespan * 1e3)
             f.setdefault("bubble", []).append(tl.bubble)
             f.setdefault("sim_ms", []).append(sim.makespan * 1e3)
@@ -209,7 +214,8 @@ def run(*, microbatches: int, hidden: int, batch: int, layers: int, steps: int, 
             "bubble": median(f["bubble"]), "sim_bubble": median(f["sim_bubble"]),
             "formula": formula,
             "bubble_vs_formula": median(f["bubble"]) / formula if formula else float("nan"),
-            "imbalance": median(f["imbalance"]), "stage_bubble": median(f["stage_bubble"]),
+            "imbalance": median(f["imbalance"]), "jitter": median(f["jitter"]),
+            "stage_bubble": median(f["stage_bubble"]),
             "bubble_vs_stage": (median([a / b for a, b in zip(f["bubble"], f["stage_bubble"])])
                                 if formula else float("nan")),
             "stage_f_ms": [median(f[f"f{r}"]) for r in range(p)],
@@ -255,6 +261,21 @@ def _trace(tl: Any, out: Any, rank: int) -> dict[str, Any]:
     start, end = out.times[last]
     return {"chrome": doc, "last_backward": str(last), "backward_ms": [start * 1e3, end * 1e3],
             "reduces_ms": [[b, i * 1e3, d * 1e3] for _, b, i, d in out.reduces]}
+
+
+def _jitter(sched: Any, took: dict[Any, float]) -> float:
+    """The spread of identical actions: for each rank and kind (F, B), the standard
+    deviation of its micro-batches' times over their mean; the median of those. The
+    formula assumes every F (and every B) takes the same time; a jitter ``j`` raises the
+    simulated bubble above it even with the stages balanced on average."""
+    spreads = []
+    for kind in ("F", "B"):
+        for acts in sched.actions:
+            ts = [took[a] for a in acts if a.kind == kind]
+            if len(ts) > 1:
+                mean = sum(ts) / len(ts)
+                spreads.append(statistics.pstdev(ts) / mean if mean > 0 else 0.0)
+    return median(spreads) if spreads else 0.0
 
 
 def _stage_means(sched: Any, took: dict[Any, float]) -> tuple[list[float], list[float]]:
@@ -322,6 +343,7 @@ def main(argv: list[str]) -> int:
                  Column("formula", "formula", "{:.3f}"),
                  Column("bubble/formula", "bubble_vs_formula", "{:.3f}"),
                  Column("imbalance", "imbalance", "{:.3f}"),
+                 Column("jitter", "jitter", "{:.3f}"),
                  Column("stage formula", "stage_bubble", "{:.3f}"),
                  Column("bubble/stage", "bubble_vs_stage", "{:.3f}"),
                  Column("peak saved B", "peak_saved_bytes", "{}")], res["rows"])

@@ -340,8 +340,7 @@ class ShmAllReduce:
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
         cls = size_class(flat.nbytes)
-        lent = self._lent.get(cls)
-        zero_copy = lent is not None and address(flat) == address(lent.data[r])
+        zero_copy = self._in_window(flat)
         # the copy-in window exists on every rank or on none (allocating it is collective):
         # one that exists is filled before the first sync; a first copied call of its class
         # allocates it after, so that calls whose inputs are all placed never need it
@@ -358,8 +357,9 @@ class ShmAllReduce:
         check_headers([f[8:12] for f in self._flags], r, seq)
         placed = [f[12] for f in self._flags]
         if all(placed):
-            segs = [d[:flat.nbytes].view(dt) for d in lent.data]  # type: ignore[union-attr]
-            self._reduce_in_window(segs, bounds, op, lent.win, seq)  # type: ignore[union-attr]
+            lent = self._lent[cls]
+            segs = [d[:flat.nbytes].view(dt) for d in lent.data]
+            self._reduce_in_window(segs, bounds, op, lent.win, seq)
             return True
         if w is None:
             w = self.window(flat.nbytes)

@@ -14,7 +14,9 @@ MOMENT is when, counted in the world's all-reduces the other ranks keep issuing:
 - ``before``: right after ``fs.init()``, before the first all-reduce, which the others
   then wait in;
 - ``during``: inside the wait of an all-reduce that every rank has started (a SIGALRM
-  handler fails the rank, and re-arms itself until it lands inside ``Work.wait``);
+  handler fails the rank, and re-arms itself until it lands inside a wait for the peers:
+  ``Work.wait``, or the flag handshake of the shared-memory path, ``_raise_and_wait``,
+  where an all-reduce of this size spends its wait and whose ``Work`` comes back done);
 - ``between``: after all-reduce #2 completed on every rank and before #3, which the
   others then wait in.
 
@@ -59,15 +61,16 @@ def fail(kind: str, rank: int, moment: str) -> None:
 
 
 def _inside_wait(frame: FrameType | None) -> bool:
+    """Whether a method named ``*wait`` is on the stack: where a rank waits for its peers."""
     while frame is not None:
-        if frame.f_code.co_name == "wait" and "self" in frame.f_locals:
+        if frame.f_code.co_name.endswith("wait") and "self" in frame.f_locals:
             return True
         frame = frame.f_back
     return False
 
 
 def arm_during(kind: str, rank: int) -> None:
-    """Fail from a SIGALRM handler once the main thread is inside ``Work.wait``."""
+    """Fail from a SIGALRM handler once the main thread waits for its peers."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         if _inside_wait(frame):

@@ -43,9 +43,10 @@ def check(o: Outcome) -> None:
     context = (f"{c.launcher} {c.kind} {c.moment} (rank {c.fail_rank} of {c.ranks}): "
                f"exit {o.returncode}, {o.wall_s:.1f} s\n{o.output[-6000:]}")
     assert not o.leftovers, f"processes left behind (killed now): {o.leftovers}\n{context}"
+    assert f"FAULT rank {c.fail_rank} kind {c.kind} moment {c.moment}" in o.output, (
+        f"rank {c.fail_rank} never reached the moment it fails at\n{context}")
     assert o.returncode is not None, f"the job outlived its deadline\n{context}"
     assert o.returncode != 0, context
-    assert f"FAULT rank {c.fail_rank} kind {c.kind} moment {c.moment}" in o.output, context
     assert o.end_s is not None and o.end_s < BOUND_S, context
     assert "SURVIVED" not in o.output, context
     pattern = CAUSE.get(c.kind) or SIGKILL_SEEN[c.launcher]

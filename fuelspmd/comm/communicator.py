@@ -91,7 +91,7 @@ class Communicator:
         self._sent: dict[int, int] = {}       # peer -> messages sent so far (issue time)
         self._received: dict[int, int] = {}   # peer -> messages received so far
         self._shared = getattr(transport, "all_reduce_shared", None)
-        self._spare: dict[Any, Any] = {}  # staging copies, reused once unreferenced (ops.py)
+        self._spare: dict[Any, list[Any]] = {}  # staging copies, reused once unreferenced (ops.py)
         self._lend = getattr(transport, "window_buffer", None)  # shared-window placement
         self._reduce_attrs: dict[Any, tuple[Any, ...]] = {}  # op as given -> node attrs
 

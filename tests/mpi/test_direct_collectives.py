@@ -101,3 +101,33 @@ def test_results_placed_in_the_shared_window_are_right_and_kept(world: fs.World)
         ref = sum(_value(10 + k, q, s).astype(np.float64) for q in range(n))
         np.testing.assert_allclose(first[k].numpy(), ref, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(second[k].numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_from_the_second_step(
+        world: fs.World) -> None:
+    """Four buckets of one size per step: the first step places the first and asks for
+    more areas; from the second step on every bucket is placed (its results are views of
+    a lent area), each step's results right while the previous step's are held."""
+    from fuelspmd.comm.ops import _lent_already
+
+    t = world.comm.transport
+    comm = fs.Communicator(t, device=world.device, timeout=TIMEOUT, bucket_bytes=1 << 20)
+    r, n = comm.rank, comm.size
+    shapes = [(1 << 16,)] * 16  # 256 KiB each: four 1 MiB buckets
+    leaves = [fs.tensor(_value(40 + k, r, s)) for k, s in enumerate(shapes)]
+    refs = [sum(_value(40 + k, q, s).astype(np.float64) for q in range(n))
+            for k, s in enumerate(shapes)]
+    lend = getattr(t, "window_buffer", None)
+    placed = n > 1 and lend is not None and lend(1 << 20, np.dtype(np.float32)) is not None
+    held: list[fs.Tensor] = []
+    for step in range(3):
+        ys = [comm.all_reduce(v) for v in leaves]
+        fs.realize(*ys)
+        for y, ref in zip(ys, refs):
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+        for y, ref in zip(held, refs):  # the last step's results, untouched
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
+        if placed and step == 2:
+            assert all(_lent_already(y.numpy()) for y in ys)
+        held = ys if step == 0 else []  # the second step runs while the first's are held
+        del ys

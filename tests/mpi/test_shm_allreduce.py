@@ -329,6 +329,45 @@ def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
     assert world.window_buffer(count * 4, np.dtype(np.float16)) is None  # MPI reduces it
 
 
+def test_a_class_gets_another_lent_area_while_its_areas_are_held(world: Any) -> None:
+    """The buckets of one step hold several results of one size at once: a rank that asks
+    for a free area and finds them all held makes the class's next all_reduce add one on
+    every rank; both areas then reduce in place, each keeping its own result."""
+    count = 300_000  # float32, 1.2 MiB: class 2 MiB
+    f32 = np.dtype(np.float32)
+    first = world.window_buffer(count * 4, f32)
+    if world.size == 1:
+        assert first is None
+        return
+    a = first[:count * 4].view(np.float32)
+    del first
+    a[...] = data("grow-a", world.rank, count, "float32")
+    world.all_reduce(a, "sum").wait()
+    others = []  # areas an earlier test had the class add: held too
+    while (more := world.window_buffer(count * 4, f32)) is not None:
+        others.append(more)
+    before = world.shared_window_bytes  # every area held, and one more asked for
+    b = data("grow-b", world.rank, count, "float32")  # the call that adds it
+    world.all_reduce(b, "sum").wait()
+    assert world.shared_window_bytes > before
+    second = world.window_buffer(count * 4, f32)
+    assert second is not None
+    c = second[:count * 4].view(np.float32)
+    del second
+    c[...] = data("grow-c", world.rank, count, "float32")
+    world.all_reduce(c, "max").wait()
+    np.testing.assert_array_equal(a, fold("grow-a", world.size, count, "float32", "sum"))
+    np.testing.assert_array_equal(b, fold("grow-b", world.size, count, "float32", "sum"))
+    np.testing.assert_array_equal(c, fold("grow-c", world.size, count, "float32", "max"))
+    # placed in different areas on different ranks (rank 0 swaps): still one reduction
+    if world.rank == 0:
+        a, c = c, a
+    a[...] = data("grow-mixed", world.rank, count, "float32")
+    world.all_reduce(a, "sum").wait()
+    np.testing.assert_array_equal(a, fold("grow-mixed", world.size, count, "float32", "sum"))
+    del a, c, others
+
+
 def test_a_held_lent_area_outlives_a_policy_change() -> None:
     """A result that lives in a lent area stays readable after the windows are freed."""
     from fuelspmd_mpi import plugin

@@ -21,7 +21,11 @@ result area is written again two calls later, after a sync the slow peer must ha
 
 Placed inputs. A second window per size class is *lent* (:meth:`ShmAllReduce.shared_buffer`,
 and the transport's ``window_buffer``, through which the lazy graph places all_reduce
-inputs and buckets there). When every rank's input starts its lent area, no data is
+inputs and buckets there). A class gets more lent windows as a program holds more
+results of its size at once (the buckets of one step): a rank that asks for a free area
+and finds all held says so in its next call's header, and at the end of that call every
+rank adds one (allocating is collective), up to ``_LENT_MAX`` and within the cap. When
+every rank's input starts one of its lent areas (not necessarily the same one), no data is
 copied in: each rank folds its slice in place, the ranks sync, each copies the other
 slices from their owners' lent areas, and they sync once more (a third boundary, so that
 nobody rewrites its area while a peer reads it). That is ``N`` read and ``N/n`` written
@@ -108,9 +112,11 @@ from fuelspmd_mpi._shm_window import (
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
 # int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
-# pipelined handshakes, 3 its vote, 4-7 its header, 8-12 the whole-size path's header and
-# placement
+# pipelined handshakes, 3 its vote, 4-7 its header, 8-13 the whole-size path's header,
+# placement and ask for a lent area
 _FLAG_WORDS = 16
+# lent areas per size class at most (each costs a window of the class, within the cap)
+_LENT_MAX = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
 # The pipelined path (every rank on a core of its own): from this size, in chunks of this
@@ -149,14 +155,18 @@ class ShmAllReduce:
         self.timeout = float(timeout)
         self._late = late
         self._windows: dict[int, Window] = {}
-        # the data areas handed out by shared_buffer, one per size class: never the copy-in
-        # area of _windows, which a call with a private buffer overwrites while the caller
-        # may still hold the lent one (a graph result lives there)
-        self._lent: dict[int, Window] = {}
-        # per class, a weak reference to the whole lent area as an array of its own (its
+        # the data areas handed out by shared_buffer and lent_area, per size class: never
+        # the copy-in area of _windows, which a call with a private buffer overwrites while
+        # the caller may still hold a lent one (a graph result lives there). A class starts
+        # with one and grows by one each time a call finds every rank's areas of it held
+        # and some rank asked for a free one (:meth:`lent_area`): a step of several buckets
+        # of one size places each in an area of its own
+        self._lent: dict[int, list[Window]] = {}
+        # per lent window, a weak reference to its whole area as an array of its own (its
         # base a memoryview), so that every view handed out refers to that one object: it
         # is alive exactly while someone (a caller, a graph result) holds part of the area
-        self._holds: dict[int, weakref.ref[np.ndarray]] = {}
+        self._holds: dict[int, list[weakref.ref[np.ndarray] | None]] = {}
+        self._want: set[int] = set()  # classes whose lent areas were all held when asked
         # shm all-reduces so far, in every call's header
         self._calls = 0
         # The phase flags and call headers: one 64-byte line per rank in a window of their
@@ -206,7 +216,8 @@ class ShmAllReduce:
     @property
     def allocated_bytes(self) -> int:
         """Bytes of window this rank holds (its segments, the flag line excluded)."""
-        return sum(self._windows) + sum(self._lent) + self._pipe_bytes
+        return (sum(self._windows) + sum(c * len(ws) for c, ws in self._lent.items())
+                + self._pipe_bytes)
 
     def _sync(self, win: Any, seq: int) -> None:
         """Wait until every rank reached this phase boundary: a flag handshake in shared
@@ -283,10 +294,14 @@ class ShmAllReduce:
             w = self._windows[cls] = Window(self._MPI, self._node, cls)
         return w
 
-    def _in_window(self, flat: np.ndarray) -> bool:
-        """Whether ``flat`` starts the lent area of its size class (see shared_buffer)."""
-        w = self._lent.get(size_class(flat.nbytes))
-        return w is not None and address(flat) == address(w.data[self.rank])
+    def _in_window(self, flat: np.ndarray) -> int:
+        """Which lent area of its size class ``flat`` starts: its index plus one, or 0 when
+        it starts none (see shared_buffer)."""
+        at = address(flat)
+        for i, w in enumerate(self._lent.get(size_class(flat.nbytes), ())):
+            if at == address(w.data[self.rank]):
+                return i + 1
+        return 0
 
     def shared_buffer(self, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` (uint8) of a lent shared area, for a zero-copy all_reduce input.
@@ -302,28 +317,47 @@ class ShmAllReduce:
         hold a result there while other all_reduces run.
         """
         cls = size_class(nbytes)
-        w = self._lent.get(cls)
-        if w is None:
+        if cls not in self._lent:
             if self.allocated_bytes + cls > self.cap_bytes:
                 raise ConfigError(
                     f"shared_buffer({nbytes}): a window of {cls} bytes would take this "
                     f"rank's shared memory to {self.allocated_bytes + cls} bytes, above "
                     f"cap_bytes={self.cap_bytes}; raise cap_bytes in set_all_reduce_policy "
                     f"or ask for less")
-            w = self._lent[cls] = Window(self._MPI, self._node, cls, lent=True)
-        area = self._holds[cls]() if cls in self._holds else None
-        return (self._hold(cls) if area is None else area)[:nbytes]
+            self._lent[cls] = [Window(self._MPI, self._node, cls, lent=True)]
+            self._holds[cls] = [None]
+        ref = self._holds[cls][0]
+        area = ref() if ref is not None else None
+        return (self._hold(cls, 0) if area is None else area)[:nbytes]
 
-    def _hold(self, cls: int) -> np.ndarray:
-        area = np.frombuffer(memoryview(self._lent[cls].data[self.rank]), np.uint8)
-        self._holds[cls] = weakref.ref(area)
+    def _hold(self, cls: int, i: int) -> np.ndarray:
+        area = np.frombuffer(memoryview(self._lent[cls][i].data[self.rank]), np.uint8)
+        self._holds[cls][i] = weakref.ref(area)
         return area
 
     def lent_area(self, nbytes: int) -> np.ndarray | None:
-        """The whole lent area of ``nbytes``' class when nobody holds any view of it, else
-        None (local: the class must have been lent before, see :meth:`shared_buffer`)."""
+        """A whole lent area of ``nbytes``' class that nobody holds any view of, else None
+        (local: the class must have been lent before, see :meth:`shared_buffer`). None
+        also asks for one more area: the class's next all_reduce adds it on every rank
+        (allocating is collective), within the cap."""
         cls = size_class(nbytes)
-        return self._hold(cls) if self._holds[cls]() is None else None
+        for i, ref in enumerate(self._holds[cls]):
+            if ref is None or ref() is None:
+                return self._hold(cls, i)
+        self._want.add(cls)
+        return None
+
+    def _grow(self, cls: int, want: bool) -> None:
+        """Add a lent area to ``cls`` when some rank asked (``want``, read from every rank's
+        header after a sync, so all ranks agree) and the cap leaves room for it and for the
+        class's copy-in window. Collective: every rank calls it at the same point of the
+        same call."""
+        if not want or cls not in self._lent:
+            return
+        need = cls + (0 if cls in self._windows else cls)
+        if len(self._lent[cls]) < _LENT_MAX and self.allocated_bytes + need <= self.cap_bytes:
+            self._lent[cls].append(Window(self._MPI, self._node, cls, lent=True))
+            self._holds[cls].append(None)
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
@@ -340,7 +374,9 @@ class ShmAllReduce:
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
         cls = size_class(flat.nbytes)
-        zero_copy = self._in_window(flat)
+        zero_copy = self._in_window(flat)  # which lent area holds it (0: none)
+        want = cls in self._want
+        self._want.discard(cls)
         # the copy-in window exists on every rank or on none (allocating it is collective):
         # one that exists is filled before the first sync; a first copied call of its class
         # allocates it after, so that calls whose inputs are all placed never need it
@@ -352,14 +388,16 @@ class ShmAllReduce:
         # the whole-size header has words of its own: a peer may still read the pipelined
         # path's header and vote of this same call, which took no sync since
         mine = self._flags[r]
-        mine[8:13] = (count, dt.num, OP_CODE[op], self._calls, zero_copy)
+        mine[8:14] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want)
         self._sync(self._flag_win, seq)
         check_headers([f[8:12] for f in self._flags], r, seq)
-        placed = [f[12] for f in self._flags]
-        if all(placed):
+        placed = [int(f[12]) for f in self._flags]
+        want = any(f[13] for f in self._flags)
+        if all(placed):  # each rank's input in one of its lent areas (not always the same)
             lent = self._lent[cls]
-            segs = [d[:flat.nbytes].view(dt) for d in lent.data]
-            self._reduce_in_window(segs, bounds, op, lent.win, seq)
+            segs = [lent[i - 1].data[k][:flat.nbytes].view(dt) for k, i in enumerate(placed)]
+            self._reduce_in_window(segs, bounds, op, lent[placed[r] - 1].win, seq)
+            self._grow(cls, want)
             return True
         if w is None:
             w = self.window(flat.nbytes)
@@ -382,6 +420,7 @@ class ShmAllReduce:
         for k in range(n):
             if k != r:
                 flat[bounds[k]:bounds[k + 1]] = res[k]
+        self._grow(cls, want)
         return True
 
     def _copy_in(self, w: Window, flat: np.ndarray, lo: int, hi: int) -> None:
@@ -414,15 +453,19 @@ class ShmAllReduce:
         win, ins, res = self._pipe_win  # type: ignore[misc]
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         self._calls += 1
-        # the vote: bit 0, this rank lost its core lately; bit 1, its input is in its window
-        self._flags[r][3] = (self._slow_left > 0) | (self._in_window(flat) << 1)
+        # the vote: bit 0, this rank lost its core lately; bit 1, its input is in a lent
+        # area; bit 2, it asked for a lent area and found them all held
+        cls = size_class(flat.nbytes)
+        self._flags[r][3] = ((self._slow_left > 0) | (bool(self._in_window(flat)) << 1)
+                             | ((cls in self._want) << 2))
         self._slow_left = max(0, self._slow_left - 1)
         self._flags[r][4:8] = (count, dt.num, OP_CODE[op], self._calls)
         self._sync(win, seq)
         check_headers([f[4:8] for f in self._flags], self.rank, seq)
         votes = [int(f[3]) for f in self._flags]
         if any(v & 1 for v in votes) or all(v & 2 for v in votes):
-            return False
+            return False  # the whole-size path runs it (and reads the asks itself)
+        self._want.discard(cls)
         self._waited = 0.0
         step = _PIPE_CHUNK // dt.itemsize
         slots = [[a[i * _PIPE_CHUNK:(i + 1) * _PIPE_CHUNK].view(dt) for a in ins]
@@ -463,6 +506,7 @@ class ShmAllReduce:
                     chunk[b[j]:b[j + 1]] = out[j][:b[j + 1] - b[j]]
         if self._waited > _SLOW_WAIT_S:
             self._slow_left = _SLOW_CALLS
+        self._grow(cls, any(v & 4 for v in votes))
         return True
 
     def _reduce_in_window(self, segs: list[np.ndarray], bounds: list[int], op: ReduceOp,
@@ -495,14 +539,17 @@ class ShmAllReduce:
         returns them (the ranks agree first, freeing a window being collective); the
         caller keeps them referenced until the process exits.
         """
-        held = np.array([any(h() is not None for h in self._holds.values())], np.int8)
+        held = np.array([any(h is not None and h() is not None
+                             for hs in self._holds.values() for h in hs)], np.int8)
         self._node.Allreduce(self._MPI.IN_PLACE, held, self._MPI.MAX)
-        kept = list(self._lent.values()) if held[0] else []
-        for w in (*self._windows.values(), *([] if kept else self._lent.values())):
+        lent = [w for ws in self._lent.values() for w in ws]
+        kept = lent if held[0] else []
+        for w in (*self._windows.values(), *([] if kept else lent)):
             w.free()
         self._windows.clear()
         self._lent.clear()
         self._holds.clear()
+        self._want.clear()
         if self._pipe_win is not None:
             self._pipe_win[0].Unlock_all()
             self._pipe_win[0].Free()

@@ -12,8 +12,9 @@ step's gradient all_reduces after its backward was realised, ``x = comm.all_redu
 there is nothing to optimise, and lowering plus the plan-cache key would cost more than
 the collectives themselves (for 256 small all_reduces, more than the one bucketed call).
 They are issued straight from the nodes, in the planner's order and under its bucket
-rule (:func:`~fuelspmd.graph.plan.joins_bucket`); such a realise is not a plan run, so it
-leaves ``runs``, ``peak_bytes`` and the cache counters as they were.
+rule (:func:`~fuelspmd.graph.plan.joins_bucket`, as
+:func:`~fuelspmd.graph.plan.take_bucket` applies it); such a realise is not a plan run,
+so it leaves ``runs``, ``peak_bytes`` and the cache counters as they were.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fuelspmd.backend import get_backend
 from .fused import run_generic
 from .node import Node, mark_realised
 from .passes import lower, optimise
-from .plan import Plan, Step, joins_bucket, make_plan
+from .plan import Plan, Step, make_plan, take_bucket
 
 __all__ = ["Executor", "PlanCache", "default_executor", "realize"]
 
@@ -134,8 +135,9 @@ def _direct(targets: list[Node]) -> list[Node] | None:
     """
     order: list[Node] = []
     seen: set[Node] = set()  # nodes hash by identity
+    add, append = seen.add, order.append
     for node in targets:
-        chain: list[Node] = []
+        start = len(order)
         cur: Node | None = node
         while cur is not None and cur not in seen:
             if cur.op.start is None:
@@ -148,11 +150,11 @@ def _direct(targets: list[Node]) -> list[Node] | None:
                         return None
                     prev = x
                 k -= 1
-            seen.add(cur)
-            chain.append(cur)
+            add(cur)
+            append(cur)
             cur = prev
-        chain.reverse()
-        order += chain
+        if len(order) > start + 1:  # walked back: oldest first (targets in creation order
+            order[start:] = order[start:][::-1]  # walk one node each)
     return order
 
 
@@ -182,14 +184,7 @@ def _run_direct(order: list[Node], backends: dict[str, Any]) -> None:
         be = backends.get(node.device.kind)
         if be is None:
             be = backends[node.device.kind] = get_backend(node.device.kind)
-        run = [node]
-        size = math.prod(node.shape) * node.dtype.itemsize if todo else 0
-        while op.bucket is not None and todo:
-            fit = joins_bucket(node, todo[-1], size)
-            if fit < 0:
-                break
-            run.append(todo.pop())
-            size = fit
+        run = take_bucket(node, todo) if op.bucket is not None else [node]
         comm = id(node.attrs[0])
         prev = in_flight.pop(comm, None)
         if prev is not None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import remove_segments
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -142,50 +143,6 @@ def kill_tagged(tag: str) -> dict[int, str]:
         except ProcessLookupError:
             pass
     return found
-
-
-SEGMENTS = ("mpich_shm_", "sm_segment.")  # MPICH's and Open MPI's shared-memory files
-
-
-def remove_segments(since: float) -> int:
-    """Remove MPI shared-memory files of dead jobs created after ``since``; return how many.
-
-    MPICH (``/dev/shm/mpich_shm_*``) and Open MPI (``/dev/shm/sm_segment.*``) unlink their
-    segment in MPI_Finalize, so every aborted or killed job leaves 2-16 MiB of memory
-    behind. A file is removed only if it was created after its job started, is more than
-    0.2 s old (MPI creates and maps a segment within milliseconds) and no live process
-    maps it: a running job's segment, ours or another test's, is never touched.
-    """
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return 0
-    now = time.time()
-    candidates = []
-    for path in shm.iterdir():
-        if not path.name.startswith(SEGMENTS):
-            continue
-        try:
-            created = path.stat().st_mtime
-        except OSError:
-            continue
-        if since - 1.0 <= created <= now - 0.2:
-            candidates.append(path)
-    if not candidates:
-        return 0
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        mapped.update(line.rsplit("/", 1)[-1] for line in text.splitlines()
-                      if "/dev/shm/" in line)
-    removed = 0
-    for path in candidates:
-        if path.name not in mapped:
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
 
 
 def _fault_time(output: str) -> float | None:

@@ -35,9 +35,15 @@ def test_a_dead_leaf_is_donated_and_the_sums_are_right(world: fs.World) -> None:
     comm = world.comm
     x = fs.tensor(np.full(N, world.rank + 1.0, np.float32))
     addr = x.node.buffer.__array_interface__["data"][0]
-    for _ in range(3):
+    # where the transport reduces this size in shared memory (FUELSPMD_ALL_REDUCE=shm), the
+    # first step moves the leaf into a lent area, and it stays there
+    lend = getattr(comm.transport, "window_buffer", None)
+    placed = lend is not None and lend(N * 4, np.dtype(np.float32)) is not None
+    for step in range(3):
         x = comm.all_reduce(x)
         x.realize()
+        if placed and step == 0:
+            addr = x.node.buffer.__array_interface__["data"][0]
         assert x.node.buffer.__array_interface__["data"][0] == addr  # no copy was made
     # three sums: the first gives the total of the ranks' values, each next one x size
     want = _total(world.size) * world.size ** 2

@@ -87,14 +87,14 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.errors import CommTimeoutError, ConfigError
+from fuelspmd.errors import CommTimeoutError
 from fuelspmd.transport import ReduceOp
+from fuelspmd_mpi._shm_lent import LentAreas
 from fuelspmd_mpi._shm_window import (
     HEADER,
     MIN_CLASS,
@@ -102,7 +102,6 @@ from fuelspmd_mpi._shm_window import (
     SHM_DTYPES,
     UFUNC,
     Window,
-    address,
     check_headers,
     fold,
     round_up,
@@ -115,8 +114,6 @@ __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 # pipelined handshakes, 3 its vote, 4-7 its header, 8-13 the whole-size path's header,
 # placement and ask for a lent area
 _FLAG_WORDS = 16
-# lent areas per size class at most (each costs a window of the class, within the cap)
-_LENT_MAX = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
 # The pipelined path (every rank on a core of its own): from this size, in chunks of this
@@ -154,19 +151,8 @@ class ShmAllReduce:
         self.cap_bytes = int(cap_bytes)
         self.timeout = float(timeout)
         self._late = late
-        self._windows: dict[int, Window] = {}
-        # the data areas handed out by shared_buffer and lent_area, per size class: never
-        # the copy-in area of _windows, which a call with a private buffer overwrites while
-        # the caller may still hold a lent one (a graph result lives there). A class starts
-        # with one and grows by one each time a call finds every rank's areas of it held
-        # and some rank asked for a free one (:meth:`lent_area`): a step of several buckets
-        # of one size places each in an area of its own
-        self._lent: dict[int, list[Window]] = {}
-        # per lent window, a weak reference to its whole area as an array of its own (its
-        # base a memoryview), so that every view handed out refers to that one object: it
-        # is alive exactly while someone (a caller, a graph result) holds part of the area
-        self._holds: dict[int, list[weakref.ref[np.ndarray] | None]] = {}
-        self._want: set[int] = set()  # classes whose lent areas were all held when asked
+        self._windows: dict[int, Window] = {}  # the copy-in windows
+        self._lent = LentAreas(MPI, node)  # where callers place inputs (shared_buffer)
         # shm all-reduces so far, in every call's header
         self._calls = 0
         # The phase flags and call headers: one 64-byte line per rank in a window of their
@@ -216,8 +202,7 @@ class ShmAllReduce:
     @property
     def allocated_bytes(self) -> int:
         """Bytes of window this rank holds (its segments, the flag line excluded)."""
-        return (sum(self._windows) + sum(c * len(ws) for c, ws in self._lent.items())
-                + self._pipe_bytes)
+        return sum(self._windows) + self._lent.nbytes + self._pipe_bytes
 
     def _sync(self, win: Any, seq: int) -> None:
         """Wait until every rank reached this phase boundary: a flag handshake in shared
@@ -294,15 +279,6 @@ class ShmAllReduce:
             w = self._windows[cls] = Window(self._MPI, self._node, cls)
         return w
 
-    def _in_window(self, flat: np.ndarray) -> int:
-        """Which lent area of its size class ``flat`` starts: its index plus one, or 0 when
-        it starts none (see shared_buffer)."""
-        at = address(flat)
-        for i, w in enumerate(self._lent.get(size_class(flat.nbytes), ())):
-            if at == address(w.data[self.rank]):
-                return i + 1
-        return 0
-
     def shared_buffer(self, nbytes: int) -> np.ndarray:
         """Return ``nbytes`` (uint8) of a lent shared area, for a zero-copy all_reduce input.
 
@@ -316,48 +292,22 @@ class ShmAllReduce:
         transport never writes it except as such an all_reduce's buffer, so its owner may
         hold a result there while other all_reduces run.
         """
-        cls = size_class(nbytes)
-        if cls not in self._lent:
-            if self.allocated_bytes + cls > self.cap_bytes:
-                raise ConfigError(
-                    f"shared_buffer({nbytes}): a window of {cls} bytes would take this "
-                    f"rank's shared memory to {self.allocated_bytes + cls} bytes, above "
-                    f"cap_bytes={self.cap_bytes}; raise cap_bytes in set_all_reduce_policy "
-                    f"or ask for less")
-            self._lent[cls] = [Window(self._MPI, self._node, cls, lent=True)]
-            self._holds[cls] = [None]
-        ref = self._holds[cls][0]
-        area = ref() if ref is not None else None
-        return (self._hold(cls, 0) if area is None else area)[:nbytes]
-
-    def _hold(self, cls: int, i: int) -> np.ndarray:
-        area = np.frombuffer(memoryview(self._lent[cls][i].data[self.rank]), np.uint8)
-        self._holds[cls][i] = weakref.ref(area)
-        return area
+        return self._lent.first(nbytes, self.allocated_bytes, self.cap_bytes)
 
     def lent_area(self, nbytes: int) -> np.ndarray | None:
         """A whole lent area of ``nbytes``' class that nobody holds any view of, else None
         (local: the class must have been lent before, see :meth:`shared_buffer`). None
         also asks for one more area: the class's next all_reduce adds it on every rank
         (allocating is collective), within the cap."""
-        cls = size_class(nbytes)
-        for i, ref in enumerate(self._holds[cls]):
-            if ref is None or ref() is None:
-                return self._hold(cls, i)
-        self._want.add(cls)
-        return None
+        return self._lent.free_area(nbytes)
 
     def _grow(self, cls: int, want: bool) -> None:
         """Add a lent area to ``cls`` when some rank asked (``want``, read from every rank's
         header after a sync, so all ranks agree) and the cap leaves room for it and for the
-        class's copy-in window. Collective: every rank calls it at the same point of the
-        same call."""
-        if not want or cls not in self._lent:
-            return
-        need = cls + (0 if cls in self._windows else cls)
-        if len(self._lent[cls]) < _LENT_MAX and self.allocated_bytes + need <= self.cap_bytes:
-            self._lent[cls].append(Window(self._MPI, self._node, cls, lent=True))
-            self._holds[cls].append(None)
+        class's copy-in window."""
+        if want:
+            copy_in = 0 if cls in self._windows else cls
+            self._lent.grow(cls, self.cap_bytes - self.allocated_bytes - copy_in)
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
@@ -374,9 +324,8 @@ class ShmAllReduce:
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
         cls = size_class(flat.nbytes)
-        zero_copy = self._in_window(flat)  # which lent area holds it (0: none)
-        want = cls in self._want
-        self._want.discard(cls)
+        zero_copy = self._lent.index(flat)  # which lent area holds it (0: none)
+        want = self._lent.asked(cls)
         # the copy-in window exists on every rank or on none (allocating it is collective):
         # one that exists is filled before the first sync; a first copied call of its class
         # allocates it after, so that calls whose inputs are all placed never need it
@@ -394,9 +343,8 @@ class ShmAllReduce:
         placed = [int(f[12]) for f in self._flags]
         want = any(f[13] for f in self._flags)
         if all(placed):  # each rank's input in one of its lent areas (not always the same)
-            lent = self._lent[cls]
-            segs = [lent[i - 1].data[k][:flat.nbytes].view(dt) for k, i in enumerate(placed)]
-            self._reduce_in_window(segs, bounds, op, lent[placed[r] - 1].win, seq)
+            segs, win = self._lent.segments(placed, flat.nbytes, dt)
+            self._reduce_in_window(segs, bounds, op, win, seq)
             self._grow(cls, want)
             return True
         if w is None:
@@ -456,8 +404,8 @@ class ShmAllReduce:
         # the vote: bit 0, this rank lost its core lately; bit 1, its input is in a lent
         # area; bit 2, it asked for a lent area and found them all held
         cls = size_class(flat.nbytes)
-        self._flags[r][3] = ((self._slow_left > 0) | (bool(self._in_window(flat)) << 1)
-                             | ((cls in self._want) << 2))
+        self._flags[r][3] = ((self._slow_left > 0) | (bool(self._lent.index(flat)) << 1)
+                             | (self._lent.asked(cls, consume=False) << 2))
         self._slow_left = max(0, self._slow_left - 1)
         self._flags[r][4:8] = (count, dt.num, OP_CODE[op], self._calls)
         self._sync(win, seq)
@@ -465,7 +413,7 @@ class ShmAllReduce:
         votes = [int(f[3]) for f in self._flags]
         if any(v & 1 for v in votes) or all(v & 2 for v in votes):
             return False  # the whole-size path runs it (and reads the asks itself)
-        self._want.discard(cls)
+        self._lent.asked(cls)  # carried by this call
         self._waited = 0.0
         step = _PIPE_CHUNK // dt.itemsize
         slots = [[a[i * _PIPE_CHUNK:(i + 1) * _PIPE_CHUNK].view(dt) for a in ins]
@@ -539,17 +487,12 @@ class ShmAllReduce:
         returns them (the ranks agree first, freeing a window being collective); the
         caller keeps them referenced until the process exits.
         """
-        held = np.array([any(h is not None and h() is not None
-                             for hs in self._holds.values() for h in hs)], np.int8)
+        held = np.array([self._lent.held()], np.int8)
         self._node.Allreduce(self._MPI.IN_PLACE, held, self._MPI.MAX)
-        lent = [w for ws in self._lent.values() for w in ws]
-        kept = lent if held[0] else []
-        for w in (*self._windows.values(), *([] if kept else lent)):
+        for w in self._windows.values():
             w.free()
         self._windows.clear()
-        self._lent.clear()
-        self._holds.clear()
-        self._want.clear()
+        kept = self._lent.free(keep=bool(held[0]))
         if self._pipe_win is not None:
             self._pipe_win[0].Unlock_all()
             self._pipe_win[0].Free()

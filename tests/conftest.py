@@ -7,8 +7,9 @@ JSON (rank 0 only under mpiexec), so one line can report every run of the suite.
 MPICH and Open MPI unlink their shared-memory segment in MPI_Finalize, so every job a
 test aborts on purpose (a mismatch, a crash) leaves one in /dev/shm: about 18 MB per run
 of the one-process suite before this cleanup, 1.5 GB on a development machine after a
-day. A session that is not itself a rank of a job removes those created while it ran and
-mapped by no process (:func:`jobs.remove_segments`).
+day, and a container's 64 MiB /dev/shm filled up within one run. A session that is not
+itself a rank of a job removes, after each test and at its end, those created meanwhile
+and mapped by no process (:func:`jobs.remove_segments`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,29 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import pytest
 from jobs import remove_segments
 
 _STARTED = time.time()
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_RANK = any(name in os.environ for name in _RANK_VARS)  # a job's rank: its job runs on
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After each test, the segments of the jobs it aborted (a 64 MiB /dev/shm, a
+    container's default, otherwise fills up within the suite and MPICH's next job fails to
+    start); listing /dev/shm is all it costs when the test aborted none."""
+    started = time.time()
+    yield
+    if not _RANK:
+        remove_segments(started)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if not any(name in os.environ for name in _RANK_VARS):  # a job's rank: its job runs on
+    if not _RANK:
         remove_segments(_STARTED)
 
 

@@ -27,6 +27,7 @@ DTYPES = ["float32", "float64", "int32", "int64"]
 OPS = [op.value for op in ReduceOp]
 TIMEOUT = 20.0
 MIN_CLASS = 1 << 16
+NEED_CAP = 64 << 20  # the windows these tests make, per rank
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,11 @@ def world() -> Iterator[Any]:
     t = plugin.world(timeout=TIMEOUT)
     chosen = t.set_all_reduce_policy(algorithm="shm")
     assert chosen == ("shm" if t.size > 1 else "mpi")
+    shm = t._shm
+    if shm is not None and shm.cap_bytes < NEED_CAP:  # every rank agrees on the cap
+        t.finalize()
+        pytest.skip(f"/dev/shm holds too little for these tests' windows ({shm.cap_note}); "
+                    f"they need a cap of {NEED_CAP >> 20} MiB per rank")
     yield t
     t.finalize()
     assert t.shared_window_bytes == 0
@@ -189,7 +195,35 @@ def test_cap_bounds_the_windows(world: Any) -> None:
         t.all_reduce(x, "sum").wait()
         np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
         assert t.shared_window_bytes == 0
-        with pytest.raises(ConfigError, match="above cap_bytes"):
+        with pytest.raises(ConfigError, match="above its cap of"):
+            t.shared_buffer(1 << 20)
+    finally:
+        t.finalize()
+
+
+def test_a_small_dev_shm_caps_the_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window whose pages do not fit in /dev/shm would kill its rank with SIGBUS at the
+    first store (a container's /dev/shm is 64 MiB by default): the cap per rank is at most
+    a quarter of the free space over the ranks, what does not fit runs MPI's own, and
+    asking for a lent area beyond it says how to give /dev/shm more."""
+    import fuelspmd_mpi._shm as shm_module
+    from fuelspmd_mpi import plugin
+
+    monkeypatch.setattr(shm_module, "_shm_free", lambda: 2 << 20)  # 2 MiB free
+    t = plugin.world(timeout=TIMEOUT)
+    try:
+        if t.set_all_reduce_policy(algorithm="shm") == "mpi":
+            return  # one rank
+        assert t._shm.cap_bytes == (2 << 20) // (4 * t.size)
+        assert t.all_reduce_algorithm(4 << 10, np.float32) == "shm"
+        assert t.all_reduce_algorithm(1 << 20, np.float32) == "mpi"
+        assert "/dev/shm has 2 MiB free" in t.explain_all_reduce(1 << 20)
+        x = data("small-shm", t.rank, 1 << 18, "float32")  # 1 MiB: MPI's own
+        t.all_reduce(x, "sum").wait()
+        np.testing.assert_allclose(x, fold("small-shm", t.size, 1 << 18, "float32", "sum"),
+                                   rtol=1e-5, atol=1e-5)
+        assert t.window_buffer(1 << 20, np.dtype(np.float32)) is None
+        with pytest.raises(ConfigError, match=r"/dev/shm has 2 MiB free.*--shm-size"):
             t.shared_buffer(1 << 20)
     finally:
         t.finalize()

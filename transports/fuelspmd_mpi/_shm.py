@@ -110,6 +110,7 @@ from fuelspmd_mpi._shm_window import (
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
+SHM_DIR = "/dev/shm"  # where MPICH and Open MPI put the pages of a shared window
 # int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
 # pipelined handshakes, 3 its vote, 4-7 its header, 8-13 the whole-size path's header,
 # placement and ask for a lent area
@@ -131,6 +132,15 @@ _SLOW_CALLS = 16
 def _cores() -> int:
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def _shm_free(path: str = SHM_DIR) -> int:
+    """Bytes free in the file system that backs shared windows (-1: unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 class ShmAllReduce:
@@ -174,9 +184,24 @@ class ShmAllReduce:
         # waiter holds the core the rank it waits for needs, so yield at once.
         # The pipelined path needs every rank on a core of its own (it meets its peers
         # twice per chunk); all ranks agree, whatever their own affinity says.
-        alone = np.array([1 if self.size <= _cores() else 0], np.int64)
-        node.Allreduce(MPI.IN_PLACE, alone, MPI.MIN)
-        self.pipelined = bool(alone[0])
+        # Shared windows are pages of a tmpfs (/dev/shm): one whose pages do not fit is
+        # mapped all the same and kills its process with SIGBUS at the first store that
+        # finds no page (a container's /dev/shm is 64 MiB by default). So the cap per rank
+        # is at most a quarter of the free space split over the ranks (a copy-in window
+        # with its result areas takes up to twice its class; other jobs share the space),
+        # from the least any rank saw, so that every rank decides every window the same.
+        free = _shm_free()
+        agreed = np.array([1 if self.size <= _cores() else 0, free if free >= 0 else 1 << 62],
+                          np.int64)
+        node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
+        self.pipelined = bool(agreed[0])
+        self.shm_free = int(agreed[1]) if agreed[1] < 1 << 62 else None
+        self.cap_note = ""
+        if self.shm_free is not None and self.shm_free // (4 * self.size) < self.cap_bytes:
+            self.cap_bytes = self.shm_free // (4 * self.size)
+            self.cap_note = (f"{SHM_DIR} has {self.shm_free >> 20} MiB free for "
+                             f"{self.size} ranks and the cap is a quarter of it per rank: "
+                             f"give it more (docker run --shm-size=1g) or ask for less")
         self._spin_s = _SPIN_S if self.pipelined else 0.0
         self._pipe_win: tuple[Any, list[np.ndarray], list[np.ndarray]] | None = None
         self._pipe_bytes = 0
@@ -269,6 +294,15 @@ class ShmAllReduce:
             self._pipe_bytes = seg
         return self._pipe_win
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` can run here under the cap: its whole-size
+        window fits, or it is pipelined (whose slots are small)."""
+        if self.pipelined and nbytes >= PIPE_MIN:
+            part = round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
+            if 2 * _PIPE_CHUNK + 2 * part <= self.cap_bytes:
+                return True
+        return size_class(nbytes) <= self.cap_bytes
+
     def window(self, nbytes: int) -> Window | None:
         """Return the window of ``nbytes``' class, allocating it (collective) within the cap."""
         cls = size_class(nbytes)
@@ -292,7 +326,7 @@ class ShmAllReduce:
         transport never writes it except as such an all_reduce's buffer, so its owner may
         hold a result there while other all_reduces run.
         """
-        return self._lent.first(nbytes, self.allocated_bytes, self.cap_bytes)
+        return self._lent.first(nbytes, self.allocated_bytes, self.cap_bytes, self.cap_note)
 
     def lent_area(self, nbytes: int) -> np.ndarray | None:
         """A whole lent area of ``nbytes``' class that nobody holds any view of, else None

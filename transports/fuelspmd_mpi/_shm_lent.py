@@ -43,17 +43,19 @@ class LentAreas:
         """Bytes of lent window this rank holds."""
         return sum(c * len(ws) for c, ws in self.windows.items())
 
-    def first(self, nbytes: int, allocated: int, cap: int) -> np.ndarray:
+    def first(self, nbytes: int, allocated: int, cap: int, why: str = "") -> np.ndarray:
         """The first area of ``nbytes``' class, its window made (collective) on first use
-        when it fits under ``cap`` beside the ``allocated`` bytes; the same memory after."""
+        when it fits under ``cap`` beside the ``allocated`` bytes; the same memory after.
+        ``why`` says what set the cap, and the fix, when it is not the policy's
+        ``cap_bytes``."""
         cls = size_class(nbytes)
         if cls not in self.windows:
             if allocated + cls > cap:
+                fix = why or ("raise cap_bytes in set_all_reduce_policy or ask for less")
                 raise ConfigError(
                     f"shared_buffer({nbytes}): a window of {cls} bytes would take this "
-                    f"rank's shared memory to {allocated + cls} bytes, above "
-                    f"cap_bytes={cap}; raise cap_bytes in set_all_reduce_policy or ask for "
-                    f"less")
+                    f"rank's shared memory to {allocated + cls} bytes, above its cap of "
+                    f"{cap} bytes; {fix}")
             self.windows[cls] = [Window(self._MPI, self._node, cls, lent=True)]
             self._holds[cls] = [None]
         ref = self._holds[cls][0]

@@ -40,7 +40,7 @@ from fuelspmd.errors import CollectiveMismatchError, ConfigError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
 from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, ENV, RUNS, Route, digest, manual_bands, parse_bands
-from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce
+from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
 from fuelspmd_mpi._work import MPIWork, Types, divide
 
@@ -299,6 +299,8 @@ class MPITransport:
         """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs: mpi, shm or
         hierarchical (a dtype those paths do not reduce, float16 say, runs MPI's own)."""
         algo = self._route.algorithm(int(nbytes)) if self.size > 1 else "mpi"
+        if algo == "shm" and self._shm is not None and not self._shm.fits(int(nbytes)):
+            return "mpi"  # its window would not fit under the cap
         if algo != "mpi" and dtype is not None:
             dt = np.dtype(dtype)
             if (self._types.plan(dt, ReduceOp.SUM, "all_reduce").stage is not None
@@ -311,6 +313,12 @@ class MPITransport:
         if self.size == 1:
             return f"all_reduce of {int(nbytes)} B: nothing to do (one rank)"
         text = self._route.explain(int(nbytes))
+        shm = self._shm
+        if (self._route.algorithm(int(nbytes)) == "shm" and shm is not None
+                and not shm.fits(int(nbytes))):
+            return (f"{text}; but its window ({size_class(int(nbytes))} B per rank) is above "
+                    f"the cap of {shm.cap_bytes} B per rank, so MPI's own runs it"
+                    + (f" ({shm.cap_note})" if shm.cap_note else ""))
         if self.all_reduce_algorithm(nbytes, dtype) != self._route.algorithm(int(nbytes)):
             text += f"; but {np.dtype(dtype).name} runs MPI's own (that path does not " \
                     "reduce it)"

@@ -19,23 +19,23 @@ segment), so a rank may start the next call while a slower peer still copies out
 previous call's results: the data areas are only read between the two syncs, and a
 result area is written again two calls later, after a sync the slow peer must have passed.
 
-Placed inputs. A second window per size class is *lent* (:meth:`ShmAllReduce.shared_buffer`,
-and the transport's ``window_buffer``, through which the lazy graph places all_reduce
-inputs and buckets there). A class gets more lent windows as a program holds more
-results of its size at once (the buckets of one step): a rank that asks for a free area
-and finds all held says so in its next call's header, and at the end of that call every
-rank adds one (allocating is collective), up to ``_LENT_MAX`` and within the cap. When
-every rank's input starts one of its lent areas (not necessarily the same one), no data is
-copied in: each rank folds its slice in place, the ranks sync, each copies the other
-slices from their owners' lent areas, and they sync once more (a third boundary, so that
-nobody rewrites its area while a peer reads it). That is ``N`` read and ``N/n`` written
-by the fold plus ``(n-1)/n N`` copied, against the copy-in path's extra ``(n-1)/n N`` in
-and ``N/n`` of result area; measured, 2 ranks on 2 cores, against MPICH: 1.5x at 1 MiB,
-1.7-2.0x at 4-16 MiB, 3.2x at 64 MiB (``fuelspmd bench shm``, column ``shm_zc``). The
-ranks learn from the headers, after the first sync, whether all inputs were placed; when
-only some were, those ranks copy in like the others and all sync once more. The lent
-area is never the copy-in area, so a caller may hold a result there while other
-all_reduces of that size run through the copy-in path.
+Placed inputs. A second window per size class is *lent*
+(:meth:`ShmAllReduce.shared_buffer`, and the transport's ``window_buffer``, through which
+the lazy graph places all_reduce inputs and buckets there). A class gets more lent windows
+as a program holds more results of its size at once (the buckets of one step): a rank that
+asks for a free area and finds all held says so in its next call's header, and at the end
+of that call every rank adds one (allocating is collective), up to ``LENT_MAX`` and within
+the cap (:mod:`fuelspmd_mpi._shm_lent`). When every rank's input starts one of its lent
+areas (not necessarily the same one), no data is copied in: each rank folds its slice in
+place, the ranks sync, each copies the other slices from their owners' lent areas, and
+they sync once more (a third boundary, so that nobody rewrites its area while a peer reads
+it). That is ``N`` read and ``N/n`` written by the fold plus ``(n-1)/n N`` copied, against
+the copy-in path's extra ``(n-1)/n N`` in and ``N/n`` of result area; measured, 2 ranks on
+2 cores, against MPICH: 1.5x at 1 MiB, 1.7-2.0x at 4-16 MiB, 3.2x at 64 MiB (``fuelspmd
+bench shm``, column ``shm_zc``). The ranks learn from the headers, after the first sync,
+whether all inputs were placed; when only some were, those ranks copy in like the others
+and all sync once more. The lent area is never the copy-in area, so a caller may hold a
+result there while other all_reduces of that size run through the copy-in path.
 
 Per rank that is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold,
 ``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, against about

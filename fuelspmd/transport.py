@@ -56,6 +56,8 @@ __all__ = [
     "check_buffers",
     "check_peer",
     "find_transports",
+    "lend",
+    "lent",
     "load_plugin",
     "poll_until",
 ]
@@ -226,6 +228,21 @@ def check_peer(op: str, peer: int, size: int, rank: int | None = None, *,
     if not isinstance(peer, (int, np.integer)) or not 0 <= peer < size:
         raise ConfigError(f"{op}: {what} {peer} is outside the group of {size} ranks "
                           f"(valid: 0..{size - 1})")
+
+
+def lend(memory: np.ndarray) -> np.ndarray:
+    """The area a transport lends out over ``memory`` (its optional ``window_buffer``
+    capability): an array of its own (uint8) over a memoryview of ``memory``, so that
+    every view handed out derives from this one object (its lender tracks it by a weak
+    reference: alive while anyone holds part of the area) and :func:`lent` knows them."""
+    return np.frombuffer(memoryview(memory), np.uint8)
+
+
+def lent(buf: Any) -> bool:
+    """Whether ``buf`` is a view of an area made by :func:`lend`."""
+    base = getattr(buf, "base", None)
+    return (type(base) is np.ndarray and isinstance(base.base, memoryview)
+            and isinstance(base.base.obj, np.ndarray))
 
 
 class _SelfRecv:

@@ -30,7 +30,7 @@ from fuelspmd.graph import build as B
 from fuelspmd.graph.node import Node
 from fuelspmd.graph.op import Attrs, Op, register
 from fuelspmd.tensor import Tensor
-from fuelspmd.transport import DONE, ReduceOp
+from fuelspmd.transport import DONE, ReduceOp, lent
 
 __all__ = ["ALL_REDUCE", "Pending"]
 
@@ -155,19 +155,12 @@ def _lent(comm: Any, nbytes: int, dt: Any) -> np.ndarray | None:
     return None if comm._lend is None else comm._lend(nbytes, dt)
 
 
-def _lent_already(x: np.ndarray) -> bool:
-    """Whether ``x`` is a view of a lent area: an array made over a memoryview, as
-    ``window_buffer`` hands them out (the executor's donation test reads it the same way)."""
-    base = x.base
-    return type(base) is np.ndarray and isinstance(base.base, memoryview)
-
-
 def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
     comm, rop = attrs[0], attrs[2]
     if comm._shared is not None and be.kind != "cuda":
         out = comm._shared(x if be.kind == "cpu" else to_host(x), rop, comm.timeout)
         return Pending(comm, DONE, lambda: _back(be, out))
-    if type(x) is np.ndarray and not (donate and _lent_already(x)):
+    if type(x) is np.ndarray and not (donate and lent(x)):
         # an input already in a lent area is donated as it is (asking for an area would
         # only make the transport add one more)
         area = _lent(comm, x.nbytes, x.dtype)

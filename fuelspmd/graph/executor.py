@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.backend import get_backend
+from fuelspmd.transport import lent
 
 from .fused import run_generic
 from .node import Node, mark_realised
@@ -116,8 +117,7 @@ def _lent_view(buf: np.ndarray) -> bool:
     to that array, so nothing else sees the memory but its lender, which writes it only as
     the buffer of the collective it is lent for."""
     base = buf.base
-    return (type(base) is np.ndarray and sys.getrefcount(base) <= 3  # buf.base, base, arg
-            and isinstance(base.base, memoryview) and isinstance(base.base.obj, np.ndarray))
+    return lent(buf) and sys.getrefcount(base) <= 3  # buf.base, base, arg
 
 
 def _direct(targets: list[Node]) -> list[Node] | None:

@@ -108,7 +108,7 @@ def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_from_the_second_step(
     """Four buckets of one size per step: the first step places the first and asks for
     more areas; from the second step on every bucket is placed (its results are views of
     a lent area), each step's results right while the previous step's are held."""
-    from fuelspmd.comm.ops import _lent_already
+    from fuelspmd.transport import lent
 
     t = world.comm.transport
     comm = fs.Communicator(t, device=world.device, timeout=TIMEOUT, bucket_bytes=1 << 20)
@@ -130,6 +130,6 @@ def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_from_the_second_step(
         for y, ref in zip(held, refs):  # the last step's results, untouched
             np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
         if placed and step == 2:
-            assert all(_lent_already(y.numpy()) for y in ys)
+            assert all(lent(y.numpy()) for y in ys)
         held = ys if step == 0 else []  # the second step runs while the first's are held
         del ys

@@ -275,8 +275,7 @@ class ShmAllReduce:
         """The pipelined path's window (collective on first use): per rank two input slots
         of ``_PIPE_CHUNK`` bytes and two result slots; None when over the cap."""
         if self._pipe_win is None:
-            part = round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
-            seg = 2 * _PIPE_CHUNK + 2 * part
+            seg = self._pipe_seg()
             if self.allocated_bytes + seg > self.cap_bytes:
                 return None
             info = self._MPI.Info.Create()
@@ -294,13 +293,15 @@ class ShmAllReduce:
             self._pipe_bytes = seg
         return self._pipe_win
 
+    def _pipe_seg(self) -> int:
+        """Bytes per rank of the pipelined path's window: two input and two result slots."""
+        return 2 * _PIPE_CHUNK + 2 * round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
+
     def fits(self, nbytes: int) -> bool:
         """Whether an all-reduce of ``nbytes`` can run here under the cap: its whole-size
         window fits, or it is pipelined (whose slots are small)."""
-        if self.pipelined and nbytes >= PIPE_MIN:
-            part = round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
-            if 2 * _PIPE_CHUNK + 2 * part <= self.cap_bytes:
-                return True
+        if self.pipelined and nbytes >= PIPE_MIN and self._pipe_seg() <= self.cap_bytes:
+            return True
         return size_class(nbytes) <= self.cap_bytes
 
     def window(self, nbytes: int) -> Window | None:

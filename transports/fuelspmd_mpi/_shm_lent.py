@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.errors import ConfigError
+from fuelspmd.transport import lend
 from fuelspmd_mpi._shm_window import Window, address, size_class
 
 __all__ = ["LENT_MAX", "LentAreas"]
@@ -73,7 +74,7 @@ class LentAreas:
         return None
 
     def _hold(self, cls: int, i: int) -> np.ndarray:
-        area = np.frombuffer(memoryview(self.windows[cls][i].data[self.rank]), np.uint8)
+        area = lend(self.windows[cls][i].data[self.rank])
         self._holds[cls][i] = weakref.ref(area)
         return area
 

@@ -195,11 +195,10 @@ class ShmAllReduce:
                           np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
-        self.shm_free = int(agreed[1]) if agreed[1] < 1 << 62 else None
-        self.cap_note = ""
-        if self.shm_free is not None and self.shm_free // (4 * self.size) < self.cap_bytes:
-            self.cap_bytes = self.shm_free // (4 * self.size)
-            self.cap_note = (f"{SHM_DIR} has {self.shm_free >> 20} MiB free for "
+        free, self.cap_note = int(agreed[1]), ""  # free unknown: 2**62, no bound
+        if free // (4 * self.size) < self.cap_bytes:
+            self.cap_bytes = free // (4 * self.size)
+            self.cap_note = (f"{SHM_DIR} has {free >> 20} MiB free for "
                              f"{self.size} ranks and the cap is a quarter of it per rank: "
                              f"give it more (docker run --shm-size=1g) or ask for less")
         self._spin_s = _SPIN_S if self.pipelined else 0.0

@@ -65,6 +65,7 @@ __all__ = ["Communicator"]
 TAG_LIMIT = 32768  # MPI guarantees tags below 32767; message counts wrap under it
 BUCKET_BYTES = 4 << 20  # a good bucket size when bucketing is turned on
 _ALL_REDUCE = _ops.ALL_REDUCE
+_SUM = "sum"  # all_reduce's default op: a call that leaves it finds its attrs by identity
 
 
 class Communicator:
@@ -94,6 +95,7 @@ class Communicator:
         self._spare: dict[Any, list[Any]] = {}  # staging copies, reused once unreferenced (ops.py)
         self._lend = getattr(transport, "window_buffer", None)  # shared-window placement
         self._reduce_attrs: dict[Any, tuple[Any, ...]] = {}  # op as given -> node attrs
+        self._sum_attrs = self._reduce_attrs[_SUM] = (self, 1, ReduceOp.SUM)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, device='{self.device}', "
@@ -153,23 +155,25 @@ class Communicator:
         self._done = self._built
 
     # ---- collectives ------------------------------------------------------------------
-    def all_reduce(self, t: Tensor, op: ReduceOp | str = "sum") -> Tensor:
+    def all_reduce(self, t: Tensor, op: ReduceOp | str = _SUM) -> Tensor:
         """Return ``op`` over ranks of ``t`` (every rank gets the result)."""
         # The per-gradient cost of a step (256 of them realised together are one bucket):
         # the checks of _check and _node inlined for the common case, the node built
         # directly (the rule is the identity: the input's shape, dtype and device), and
         # one attrs tuple per reduce op, so the planner and the executor's bucket test
-        # compare attributes by identity.
+        # compare attributes by identity; the default op finds its tuple by identity.
         node = t.node if t.__class__ is Tensor else None
         if node is None or node.device is not self.device:
             node = self._check(t, "all_reduce")
-        cls = op.__class__  # keyed by name: an Enum member hashes in Python
-        key = op._value_ if cls is ReduceOp else op if cls is str else None  # type: ignore[union-attr]
-        attrs = self._reduce_attrs.get(key) if key is not None else None
+        attrs = self._sum_attrs if op is _SUM else None
         if attrs is None:
-            attrs = (self, 1, ReduceOp.parse(op))
-            if key is not None:
-                self._reduce_attrs[key] = attrs
+            cls = op.__class__  # keyed by name: an Enum member hashes in Python
+            key = op._value_ if cls is ReduceOp else op if cls is str else None  # type: ignore[union-attr]
+            attrs = self._reduce_attrs.get(key) if key is not None else None
+            if attrs is None:
+                attrs = (self, 1, ReduceOp.parse(op))
+                if key is not None:
+                    self._reduce_attrs[key] = attrs
         if self.size == 1:
             return t
         tail = self._tail

@@ -16,7 +16,9 @@ host numpy; cupy arrays go to the transport as they are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from itertools import accumulate, groupby
 from typing import Any
 
 import numpy as np
@@ -174,39 +176,53 @@ def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) ->
 
 def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any]) -> Pending:
     """Several all_reduces in one transport call: concatenate flat (the one copy the
-    in-place op needs anyway) into the communicator's spare bucket (reused step after
-    step once no result of the last step is held), reduce, and hand out views of the
-    result: nothing is copied out. Per member the Python is a few list entries (measured:
-    about half the time of the 4 MiB concatenation for 256 members of 16 KiB)."""
+    in-place op needs anyway) into a lent shared area of the transport, or the
+    communicator's spare bucket (reused step after step once no result of the last step
+    is held), reduce, and hand out views of the result: nothing is copied out. Per member
+    the Python is a few list entries (measured: about a third of the time of the 4 MiB
+    concatenation for 256 members of 16 KiB)."""
     comm, rop = attrs[0], attrs[2]
     lib = _lib(be)
     if be.kind == "strict":
         xs = [_host(be, x) for x in xs]
     shapes = [x.shape for x in xs]
-    parts = [x if len(shp) == 1 else x.reshape(-1) for x, shp in zip(xs, shapes)]
-    del xs  # the transport reads the bucket, not the inputs: let them go
-    sizes = [p.size for p in parts]
+    ends = list(accumulate([x.size for x in xs]))
+    total = ends[-1]
     flat = None
     if lib is np:
-        dt = parts[0].dtype
-        total = sum(sizes)
+        dt = xs[0].dtype
         area = _lent(comm, total * dt.itemsize, dt)
         flat = (_spare(comm, (total,), dt) if area is None else
                 area[:total * dt.itemsize].view(dt))
-    flat = lib.concatenate(parts, out=flat)
-    del parts
+    one_d = flat is not None
+    if one_d:
+        try:  # 1-D members (most gradients) concatenate as they are into the 1-D bucket
+            lib.concatenate(xs, out=flat)
+        except ValueError:  # numpy checks the dimensions before it copies anything
+            one_d = False
+    if not one_d:
+        flat = lib.concatenate([x.reshape(-1) for x in xs], out=flat)
+    del xs  # the transport reads the bucket, not the inputs: let them go
     if comm._shared is not None and be.kind != "cuda":
         flat, work = comm._shared(flat, rop, comm.timeout), DONE
     else:
         work = comm.transport.all_reduce(flat, rop)
 
     def split() -> list[Any]:
-        outs, lo = [], 0
-        for shp, n in zip(shapes, sizes):
-            hi = lo + n
-            part = flat[lo:hi] if len(shp) == 1 else flat[lo:hi].reshape(shp)
-            outs.append(part)
-            lo = hi
+        runs = [(s, len(list(g))) for s, g in groupby(shapes)]
+        if len(runs) * 4 <= len(shapes) and all(s for s, _ in runs):
+            # runs of one shape (a stack of alike layers): each run's views are the rows
+            # of one reshape, made in C (about half the time of a slice per member)
+            outs: list[Any] = []
+            lo = 0
+            for shp, k in runs:
+                hi = lo + k * math.prod(shp)
+                outs.extend(flat[lo:hi].reshape(k, *shp))
+                lo = hi
+        else:
+            outs = [flat[lo:hi] for lo, hi in zip([0, *ends], ends)]
+            if not one_d:
+                outs = [o if len(s) == 1 else o.reshape(s) for o, s in zip(outs, shapes)]
         if be.kind == "strict":
             return [_back(be, part) for part in outs]
         return outs

@@ -338,6 +338,24 @@ def test_inputs_in_the_lent_area_reduce_in_place(world: Any) -> None:
         del area, x
 
 
+def test_placed_inputs_take_two_phase_syncs_at_every_size(world: Any) -> None:
+    """Inputs placed on every rank meet twice (the header, then after the fold that writes
+    every rank's area): no vote for the pipelined path, no copy-out phase; each rank's
+    area then holds the whole result."""
+    shm = world._shm
+    if shm is None or world.size == 1:
+        pytest.skip("needs the shared-memory path: 2+ ranks on one node")
+    for count in (70_001, (4 << 20) // 4 + 3):
+        area = world.shared_buffer(count * 4).view(np.float32)
+        area[...] = data(f"syncs-{count}", world.rank, count, "float32")
+        before = shm._syncs
+        world.all_reduce(area, "sum").wait()
+        assert shm._syncs - before == 2
+        np.testing.assert_array_equal(area, fold(f"syncs-{count}", world.size, count,
+                                                 "float32", "sum"))
+        del area
+
+
 def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
     """window_buffer lends the area only while nobody holds a view of it; an all_reduce of
     a private buffer of the same size class never writes it."""

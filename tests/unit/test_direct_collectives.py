@@ -18,7 +18,7 @@ import fuelspmd as fs
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.graph import default_executor
 from fuelspmd.graph.executor import _direct
-from fuelspmd.graph.plan import joins_bucket
+from fuelspmd.graph.plan import joins_bucket, take_bucket
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = 10.0
@@ -142,6 +142,27 @@ def test_bucket_rule_is_the_planners() -> None:
     computed = [other.all_reduce(fs.tensor(per[k], device="cpu:0") * 2.0) for k in (0, 1, 3, 4)]
     plan, _ = default_executor().plan([y.node for y in computed])
     assert [len(s.members) for s in plan.steps if s.kind == "bucket_start"] == runs
+
+
+def test_take_bucket_applies_the_rule_to_the_end_of_the_todo_list() -> None:
+    """take_bucket takes members from the end of ``todo`` (the next to start) while they
+    are alike and the bucket stays within its bytes (an exact fit joins), leaving the rest
+    in order; a member of another reduce op, or one past the limit, stops it."""
+    comm = DeviceGroup.cpu(2, bucket_bytes=200).comms[0]
+    t = [fs.tensor(np.ones(k, np.float64), device="cpu:0") for k in (10, 7, 9, 3, 1)]
+    a, b, c = comm.all_reduce(t[0]), comm.all_reduce(t[1]), comm.all_reduce(t[2])
+    d, e = comm.all_reduce(t[3], "max"), comm.all_reduce(t[4])
+    head, *rest = [x.node for x in (a, b, c, d, e)]
+    todo = rest[::-1]  # popped from the end, as the executor keeps it
+    assert take_bucket(head, todo) == [head, b.node]  # 80 + 56 bytes; + 72 > 200
+    assert todo == [e.node, d.node, c.node]
+    assert take_bucket(todo.pop(), todo) == [c.node]  # the next one is a max
+    assert take_bucket(todo.pop(), todo) == [d.node]
+    assert todo == [e.node]
+    exact = DeviceGroup.cpu(2, bucket_bytes=24).comms[0]  # 2 + 1 float64: 24 bytes
+    ns = [exact.all_reduce(x).node for x in
+          (fs.tensor(np.ones(2), device="cpu:0"), fs.tensor(np.ones(1), device="cpu:0"))]
+    assert take_bucket(ns[0], [ns[1]]) == ns
 
 
 def test_two_communicators_realised_together() -> None:

@@ -26,16 +26,18 @@ as a program holds more results of its size at once (the buckets of one step): a
 asks for a free area and finds all held says so in its next call's header, and at the end
 of that call every rank adds one (allocating is collective), up to ``LENT_MAX`` and within
 the cap (:mod:`fuelspmd_mpi._shm_lent`). When every rank's input starts one of its lent
-areas (not necessarily the same one), no data is copied in: each rank folds its slice in
-place, the ranks sync, each copies the other slices from their owners' lent areas, and
-they sync once more (a third boundary, so that nobody rewrites its area while a peer reads
-it). That is ``N`` read and ``N/n`` written by the fold plus ``(n-1)/n N`` copied, against
-the copy-in path's extra ``(n-1)/n N`` in and ``N/n`` of result area; measured, 2 ranks on
-2 cores, against MPICH: 1.5x at 1 MiB, 1.7-2.0x at 4-16 MiB, 3.2x at 64 MiB (``fuelspmd
-bench shm``, column ``shm_zc``). The ranks learn from the headers, after the first sync,
-whether all inputs were placed; when only some were, those ranks copy in like the others
-and all sync once more. The lent area is never the copy-in area, so a caller may hold a
-result there while other all_reduces of that size run through the copy-in path.
+areas (not necessarily the same one), no data is copied in: each rank folds its slice and
+writes the result into that slice of every rank's area (only it touches that slice of any
+area), and the ranks sync once: every area then holds the whole result. That is ``N``
+read and ``N`` written per rank in one pass, against the copy-in path's extra ``(n-1)/n
+N`` in and out; measured, 2 ranks on 2 cores, against MPICH (``fuelspmd bench shm``,
+column ``shm_zc``, this tree and the one before alternately): 1.56-1.89x at 1 MiB,
+1.94-2.10x at 4 MiB, 2.30-2.62x at 16 MiB, 3.99-4.15x at 64 MiB, where folding in place,
+copying the others' slices out after a sync and meeting once more gave 1.36-1.51x,
+1.81-1.83x, 1.69-1.71x and 3.15-3.59x. The ranks learn from the headers, after the first
+sync, whether all inputs were placed; when only some were, those ranks copy in like the
+others and all sync once more. The lent area is never the copy-in area, so a caller may
+hold a result there while other all_reduces of that size run through the copy-in path.
 
 Per rank that is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold,
 ``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, against about
@@ -71,10 +73,12 @@ would need a window beyond the cap goes through MPI instead (every rank decides 
 since all ranks see the same sequence of collective sizes). A copy-in window is made by
 the first call of its class whose inputs are not all placed, after the first sync (every
 rank is there), so a class whose inputs are always placed never holds one. Each call
-writes a header (element count, dtype, op, call number, placed) into the rank's line of
-the flag window, which every rank checks against its peers' after the first sync: ranks
-that disagree raise CollectiveMismatchError, every one of them, instead of reading past a
-segment.
+writes a header (element count, dtype, op, call number; where its input lies, whether it
+asks for a lent area, whether it lost its core lately) into the rank's line of the flag
+window, which every rank checks against its peers' after the first sync: ranks that
+disagree raise CollectiveMismatchError, every one of them, instead of reading past a
+segment; ranks that agree all take the path the headers give (placed, pipelined or
+copy-in), with no further vote.
 
 Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when
 the group spans several nodes (``Split_type(COMM_TYPE_SHARED)`` is smaller than the
@@ -112,8 +116,9 @@ __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
 SHM_DIR = "/dev/shm"  # where MPICH and Open MPI put the pages of a shared window
 # int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
-# pipelined handshakes, 3 its vote, 4-7 its header, 8-13 the whole-size path's header,
-# placement and ask for a lent area
+# pipelined handshakes, 3-9 the call's header: count, dtype, op, call number (3-6, checked
+# against the peers'), the lent area its input lies in (0: none), whether it asks for a
+# lent area, whether it lost its core lately
 _FLAG_WORDS = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
@@ -347,71 +352,78 @@ class ShmAllReduce:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
 
         Blocking: it returns when the result is in ``buf`` on this rank (the caller hands
-        back a completed Work).
+        back a completed Work). Every call starts with one sync after each rank wrote its
+        header (count, dtype, op, call number; where its input lies; whether it asks for a
+        lent area; whether it lost its core lately) into its flag line: the ranks check
+        the headers against each other and, all reading the same headers, take the same
+        path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
         """
-        if (self.pipelined and buf.nbytes >= PIPE_MIN and self._pipe() is not None
-                and self._pipelined(buf.reshape(-1), op, seq)):
-            return True
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
+        nbytes = flat.nbytes
+        cls = size_class(nbytes)
+        zero_copy = self._lent.index(flat)  # which lent area holds it (0: none)
+        want = self._lent.asked(cls)
+        pipe = self.pipelined and nbytes >= PIPE_MIN
+        slow = pipe and self._slow_left > 0
+        if slow:
+            self._slow_left -= 1
         base, extra = divmod(count, n)
         bounds = [k * base + min(k, extra) for k in range(n + 1)]
         lo, hi = bounds[r], bounds[r + 1]
-        cls = size_class(flat.nbytes)
-        zero_copy = self._lent.index(flat)  # which lent area holds it (0: none)
-        want = self._lent.asked(cls)
         # the copy-in window exists on every rank or on none (allocating it is collective):
-        # one that exists is filled before the first sync; a first copied call of its class
-        # allocates it after, so that calls whose inputs are all placed never need it
+        # one that exists is filled before the first sync when this call surely takes the
+        # whole-size copy-in path; otherwise once the headers say so
         w = self._windows.get(cls)
-        copied = w is not None and not zero_copy
+        copied = w is not None and not zero_copy and (not pipe or slow)
         if copied:  # our own slice is read from the caller's buffer, not copied in
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
-        # the whole-size header has words of its own: a peer may still read the pipelined
-        # path's header and vote of this same call, which took no sync since
-        mine = self._flags[r]
-        mine[8:14] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want)
+        self._flags[r][3:10] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want, slow)
         self._sync(self._flag_win, seq)
-        check_headers([f[8:12] for f in self._flags], r, seq)
-        placed = [int(f[12]) for f in self._flags]
-        want = any(f[13] for f in self._flags)
+        flags = self._flags
+        check_headers([f[3:7] for f in flags], r, seq)
+        placed = [int(f[7]) for f in flags]
+        want = any(f[8] for f in flags)
         if all(placed):  # each rank's input in one of its lent areas (not always the same)
-            segs, win = self._lent.segments(placed, flat.nbytes, dt)
+            segs, win = self._lent.segments(placed, nbytes, dt)
             self._reduce_in_window(segs, bounds, op, win, seq)
-            self._grow(cls, want)
-            return True
-        if w is None:
-            w = self.window(flat.nbytes)
-            if w is None:  # beyond the cap: every rank decides the same, MPI reduces it
-                return False
-        if not copied:  # placed while a peer's input is not, or the window was just made
-            self._copy_in(w, flat, lo, hi)
+        elif pipe and not any(f[9] for f in flags) and self._pipe() is not None:
+            self._pipelined(flat, op, seq)
+        else:
+            # every rank copied in before the sync when the window existed and none was
+            # placed or stayed ready for the pipelined path; otherwise those that did not
+            # copy in now, and all sync once more
+            ready = w is not None and not any(f[7] or (pipe and not f[9]) for f in flags)
+            if w is None:
+                w = self.window(nbytes)
+                if w is None:  # beyond the cap: every rank decides the same, MPI reduces it
+                    return False
+            if not ready:
+                if not copied:
+                    self._copy_in(w, flat, lo, hi)
+                self._sync(w.win, seq)
+            segs = [d[:nbytes].view(dt) for d in w.data]
+            # this call's result areas: the previous call's are still read by a slower peer
+            area = w.results[w.calls % 2]
+            w.calls += 1
+            res = [a[:(bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
+                   for k, a in enumerate(area)]
+            fold([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, [res[r]],
+                 flat[lo:hi])
             self._sync(w.win, seq)
-        elif any(placed):
-            self._sync(w.win, seq)  # the placed ranks copy in now: wait for them
-        segs = [d[:flat.nbytes].view(dt) for d in w.data]
-        # this call's result areas: the previous call's are still read by a slower peer
-        area = w.results[w.calls % 2]
-        w.calls += 1
-        res = [a[:(bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
-               for k, a in enumerate(area)]
-        fold([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, res[r],
-             flat[lo:hi])
-        self._sync(w.win, seq)
-        for k in range(n):
-            if k != r:
-                flat[bounds[k]:bounds[k + 1]] = res[k]
+            for k in range(n):
+                if k != r:
+                    flat[bounds[k]:bounds[k + 1]] = res[k]
         self._grow(cls, want)
         return True
-
     def _copy_in(self, w: Window, flat: np.ndarray, lo: int, hi: int) -> None:
         """Copy ``flat`` into this rank's data area of ``w``, all but its own slice."""
         mine = w.data[self.rank][:flat.nbytes].view(flat.dtype)
         mine[:lo] = flat[:lo]
         mine[hi:] = flat[hi:]
 
-    def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> bool:
+    def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> None:
         """The all-reduce in chunks of ``_PIPE_CHUNK`` bytes through two small slots.
 
         Per chunk ``c`` (slot ``c % 2``): copy in the chunk but this rank's slice; flag 1;
@@ -422,32 +434,15 @@ class ShmAllReduce:
         set, buffers plus window, is 80 MiB against a 48 MiB cache. A slot is written again
         two chunks later, after a flag every peer raised once done reading it.
 
-        The header (count, dtype, op, call) goes in the flag line and is checked after a
-        first sync, as the bulk path checks its window's: ranks that disagree raise.
-
-        Returns False, before any data moves, when a rank votes for the whole-size path:
-        on a machine where other jobs take the cores, every handshake may wait for a
-        descheduled peer's time slice, 128 of them at 16 MiB (measured: 270 ms against
-        MPI's 12 ms), where the whole-size path waits at most twice. A rank votes so for
-        ``_SLOW_CALLS`` calls after one whose handshakes waited past the spin for more
-        than a millisecond; the votes are read after the first sync, so all ranks agree.
+        It runs when every rank's header (read after the call's first sync) says it has
+        not lost its core lately: on a machine where other jobs take the cores, every
+        handshake may wait for a descheduled peer's time slice, 128 of them at 16 MiB
+        (measured: 270 ms against MPI's 12 ms), where the whole-size path waits at most
+        twice. A rank says so for ``_SLOW_CALLS`` calls after one whose handshakes waited
+        past the spin for more than a millisecond.
         """
-        win, ins, res = self._pipe_win  # type: ignore[misc]
+        _, ins, res = self._pipe_win  # type: ignore[misc]
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
-        self._calls += 1
-        # the vote: bit 0, this rank lost its core lately; bit 1, its input is in a lent
-        # area; bit 2, it asked for a lent area and found them all held
-        cls = size_class(flat.nbytes)
-        self._flags[r][3] = ((self._slow_left > 0) | (bool(self._lent.index(flat)) << 1)
-                             | (self._lent.asked(cls, consume=False) << 2))
-        self._slow_left = max(0, self._slow_left - 1)
-        self._flags[r][4:8] = (count, dt.num, OP_CODE[op], self._calls)
-        self._sync(win, seq)
-        check_headers([f[4:8] for f in self._flags], self.rank, seq)
-        votes = [int(f[3]) for f in self._flags]
-        if any(v & 1 for v in votes) or all(v & 2 for v in votes):
-            return False  # the whole-size path runs it (and reads the asks itself)
-        self._lent.asked(cls)  # carried by this call
         self._waited = 0.0
         step = _PIPE_CHUNK // dt.itemsize
         slots = [[a[i * _PIPE_CHUNK:(i + 1) * _PIPE_CHUNK].view(dt) for a in ins]
@@ -488,29 +483,25 @@ class ShmAllReduce:
                     chunk[b[j]:b[j + 1]] = out[j][:b[j + 1] - b[j]]
         if self._waited > _SLOW_WAIT_S:
             self._slow_left = _SLOW_CALLS
-        self._grow(cls, any(v & 4 for v in votes))
-        return True
 
     def _reduce_in_window(self, segs: list[np.ndarray], bounds: list[int], op: ReduceOp,
                           win: Any, seq: int) -> None:
         """The all-reduce when every rank's input is its own segment's data area.
 
-        Each rank folds its slice in place (a peer reads only its own slice of this
-        segment), then copies every other slice from the segment of the rank that folded
-        it, then meets the others once more, so that no rank writes its segment again (its
-        next call, or its caller refilling the buffer) while a peer still reads from it.
-        Per rank that is ``N`` read and ``N/n`` written by the fold and ``(n-1)/n N``
-        copied: one pass over memory less than the result areas' protocol, for a third
-        handshake (microseconds).
+        Each rank folds its slice ``[lo, hi)`` and writes the result there in every
+        segment, its own and its peers' (only this rank reads or writes that slice of any
+        segment, each chunk read before it is written), then meets the others once: every
+        segment then holds the whole result, and no rank touches a peer's segment after
+        it, so each may write its own again (its next call, or its caller refilling the
+        buffer) at once. Per rank that is ``N`` read and ``N`` written, in one pass, and
+        two phase boundaries (the header's and this one). Measured, a 4 MiB bucket of 256
+        arrays on 2 ranks, concatenation included: 0.76x the time of folding in place and
+        then copying the peers' slices out (``N/n`` more read, a third boundary).
         """
-        r, n = self.rank, self.size
+        r = self.rank
         lo, hi = bounds[r], bounds[r + 1]
-        mine = segs[r]
-        fold(segs, lo, hi, op, None, mine[lo:hi])
-        self._sync(win, seq)
-        for k in range(n):
-            if k != r:
-                mine[bounds[k]:bounds[k + 1]] = segs[k][bounds[k]:bounds[k + 1]]
+        fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
+             segs[r][lo:hi])
         self._sync(win, seq)
 
     def free(self) -> list[Window]:

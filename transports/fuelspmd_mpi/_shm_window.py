@@ -106,16 +106,18 @@ def check_headers(headers: list[np.ndarray], rank: int, seq: int) -> None:
         f"number of elements of the same dtype with the same op")
 
 
-def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dest: np.ndarray | None,
+def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dests: list[np.ndarray],
          also: np.ndarray) -> None:
     """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)``.
 
-    The result goes to ``also`` (the caller's slice ``[lo, hi)``) and, unless None, to
-    ``dest`` (this call's result area, where peers read it), both indexed from 0. Chunks keep the
-    partial result in cache, so writing it twice costs one extra pass over cache, not
-    over memory. ``also`` may be this rank's own input at the same indices: with two
-    ranks the fold writes it elementwise (safe); with more, a later fold step would
-    read an overwritten input, so the chunk is folded in a scratch buffer first.
+    The result goes to ``also`` (the caller's slice ``[lo, hi)``) and to every array of
+    ``dests`` (a result area where peers read it, or the peers' own segments), all indexed
+    from 0. Chunks keep the partial result in cache, so each further copy costs a pass
+    over cache, not over memory. ``also`` may be this rank's own input at the same
+    indices, and ``dests`` the peers' inputs there (only this rank reads ``[lo, hi)`` of
+    them, a chunk before it is written): with two ranks the fold writes ``also``
+    elementwise (safe); with more, a later fold step would read an overwritten input, so
+    the chunk is folded in a scratch buffer first.
     """
     if hi <= lo:
         return
@@ -137,5 +139,5 @@ def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dest: np.ndarra
                 np.floor_divide(t, n, out=t)
         if tmp is not None:
             o[...] = t
-        if dest is not None:
-            dest[a:b] = t
+        for d in dests:
+            d[a:b] = t

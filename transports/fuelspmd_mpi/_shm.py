@@ -381,20 +381,20 @@ class ShmAllReduce:
         self._calls += 1
         self._flags[r][3:10] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want, slow)
         self._sync(self._flag_win, seq)
-        flags = self._flags
-        check_headers([f[3:7] for f in flags], r, seq)
-        placed = [int(f[7]) for f in flags]
-        want = any(f[8] for f in flags)
+        heads = [f[3:10].tolist() for f in self._flags]  # each line read once, as ints
+        check_headers(heads, r, seq)
+        placed = [h[4] for h in heads]
+        want = any(h[5] for h in heads)
         if all(placed):  # each rank's input in one of its lent areas (not always the same)
             segs, win = self._lent.segments(placed, nbytes, dt)
             self._reduce_in_window(segs, bounds, op, win, seq)
-        elif pipe and not any(f[9] for f in flags) and self._pipe() is not None:
+        elif pipe and not any(h[6] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
             # every rank copied in before the sync when the window existed and none was
             # placed or stayed ready for the pipelined path; otherwise those that did not
             # copy in now, and all sync once more
-            ready = w is not None and not any(f[7] or (pipe and not f[9]) for f in flags)
+            ready = w is not None and not any(h[4] or (pipe and not h[6]) for h in heads)
             if w is None:
                 w = self.window(nbytes)
                 if w is None:  # beyond the cap: every rank decides the same, MPI reduces it

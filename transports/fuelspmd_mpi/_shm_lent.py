@@ -22,7 +22,7 @@ import numpy as np
 
 from fuelspmd.errors import ConfigError
 from fuelspmd.transport import lend
-from fuelspmd_mpi._shm_window import Window, address, size_class
+from fuelspmd_mpi._shm_window import Window, size_class
 
 __all__ = ["LENT_MAX", "LentAreas"]
 
@@ -79,11 +79,20 @@ class LentAreas:
         return area
 
     def index(self, flat: np.ndarray) -> int:
-        """Which area of its class ``flat`` starts: its index plus one, or 0 for none."""
-        at = address(flat)
-        for i, w in enumerate(self.windows.get(size_class(flat.nbytes), ())):
-            if at == address(w.data[self.rank]):
-                return i + 1
+        """Which area of its class ``flat`` starts: its index plus one, or 0 for none.
+
+        A view of an area has the area's array as its base (numpy collapses the bases of
+        views), so the areas are told apart by identity; a view of one starts it when its
+        first element overlaps the area's first byte (``shares_memory`` of the two:
+        0.6 us, where an address from ``__array_interface__`` builds a dict, 2 us warm
+        and tens of microseconds right after a large reduction).
+        """
+        base = flat.base
+        if base is None or not flat.size:
+            return 0
+        for i, ref in enumerate(self._holds.get(size_class(flat.nbytes), ())):
+            if ref is not None and ref() is base:
+                return i + 1 if np.shares_memory(flat[:1], base[:1]) else 0
         return 0
 
     def asked(self, cls: int, *, consume: bool = True) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 from fuelspmd.errors import CollectiveMismatchError
 from fuelspmd.transport import ReduceOp
 
-__all__ = ["HEADER", "MIN_CLASS", "OP_CODE", "SHM_DTYPES", "UFUNC", "Window", "address",
+__all__ = ["HEADER", "MIN_CLASS", "OP_CODE", "SHM_DTYPES", "UFUNC", "Window",
            "check_headers", "fold", "round_up", "size_class"]
 
 MIN_CLASS = 1 << 16  # smallest window: bytes per rank
@@ -37,11 +37,6 @@ _CHUNK_BYTES = 1 << 18
 def size_class(nbytes: int) -> int:
     """Return the window size (bytes per rank) that holds ``nbytes``: a power of two."""
     return max(MIN_CLASS, 1 << max(0, int(nbytes) - 1).bit_length())
-
-
-def address(a: np.ndarray) -> int:
-    """The address of ``a``'s first byte."""
-    return int(a.__array_interface__["data"][0])
 
 
 class Window:
@@ -86,11 +81,12 @@ def round_up(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
-def check_headers(headers: list[np.ndarray], rank: int, seq: int) -> None:
+def check_headers(headers: list[list[int]], rank: int, seq: int) -> None:
     """Raise CollectiveMismatchError, naming every rank's fields, unless every header's
-    (count, dtype, op, call number) equals ``headers[rank]``'s."""
+    (count, dtype, op, call number) equals ``headers[rank]``'s (Python ints: each rank's
+    flag line is read once, with ``tolist``)."""
     mine = headers[rank][:4]
-    if all((h[:4] == mine).all() for h in headers):
+    if all(h[:4] == mine for h in headers):
         return
     names = ("count", "dtype", "op", "call number (a rank is in another size class)")
     rows = []

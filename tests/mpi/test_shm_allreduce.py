@@ -356,6 +356,30 @@ def test_placed_inputs_take_two_phase_syncs_at_every_size(world: Any) -> None:
         del area
 
 
+def test_a_rank_that_never_comes_is_a_timeout_not_a_hang(world: Any) -> None:
+    """Rank 0 all-reduces through shared memory, the others never call: it raises
+    CommTimeoutError at the transport's deadline (measured from the start of its wait, not
+    from its last yield of the core), naming the operation."""
+    import time
+
+    from fuelspmd.errors import CommTimeoutError
+
+    if world.size == 1:
+        pytest.skip("needs a peer that does not come")
+    t = world.split(0, world.rank)  # its own windows and flags: the world's stay in step
+    try:
+        assert t.set_all_reduce_policy(algorithm="shm") == "shm"
+        t._shm.timeout = 0.5
+        if world.rank == 0:
+            start = time.monotonic()
+            with pytest.raises(CommTimeoutError, match=r"shared memory.*0\.5 s"):
+                t.all_reduce(np.ones(1 << 16, np.float32), "sum")
+            assert time.monotonic() - start < 5.0
+        world.barrier().wait()
+    finally:
+        t.finalize()
+
+
 def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
     """window_buffer lends the area only while nobody holds a view of it; an all_reduce of
     a private buffer of the same size class never writes it."""

@@ -259,7 +259,7 @@ class ShmAllReduce:
         self._flag_win.Sync()
         flags = self._flags
         clock = time.monotonic
-        start = clock()
+        began = start = clock()  # the deadline's start; the current spin's
         spins = 0
         while True:
             if all(f[slot] >= k for f in flags):
@@ -267,7 +267,7 @@ class ShmAllReduce:
             spins += 1
             if spins & 63 == 0:
                 now = clock()
-                if now - start > self.timeout:
+                if now - began > self.timeout:
                     raise CommTimeoutError(self._late(seq, self.timeout))
                 if now - start > self._spin_s:
                     self._waited += now - start

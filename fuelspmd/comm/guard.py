@@ -136,6 +136,7 @@ class Guard(Streams):
         self._slot_same: list[bytes] = []
         self._slot_tmpl: list[np.ndarray | None] = []
         self._next_slot = 0
+        self._unposted: Ticket | None = None  # staged, its descriptor not sent yet
         if mode != "off" and self.size > 1:
             self._control = transport.split(0, transport.rank)
             self._channel = Channel(self._control)
@@ -216,15 +217,21 @@ class Guard(Streams):
         buf[_MSG_SEQ] = seq
         buf[_MSG_CSEQ] = cseq
         rec = self.recorder.push(fp, seq, cseq) if self.recorder is not None else -1
-        return Ticket(self, fp, self._slot_fp[k], rec, None, self._colls_issued + 1, True,
-                      self._slot_same[k], cseq, k, seq)
+        self._unposted = t = Ticket(self, fp, self._slot_fp[k], rec, None,
+                                    self._colls_issued + 1, True, self._slot_same[k], cseq,
+                                    k, seq)
+        return t
 
     def post(self, ticket: Ticket) -> Ticket:
         """Send the collective :meth:`stage` prepared to every peer; return its Ticket.
 
         The one step between the data operation's issue and its wait: one MPI call, three
-        stores and an append per peer. The comparison happens in :meth:`wait`.
+        stores and an append per peer. The comparison happens in :meth:`wait`. A ticket
+        already posted (by :meth:`watch`, while its issue blocked) is not posted again.
         """
+        if ticket is not self._unposted:
+            return ticket
+        self._unposted = None
         k = ticket.slot
         self._slot_start[k]()
         self._colls_issued = n = ticket.n
@@ -246,8 +253,27 @@ class Guard(Streams):
 
     def unstage(self, ticket: Ticket) -> None:
         """Forget a staged collective whose issue raised (its record is taken back)."""
+        if ticket is self._unposted:
+            self._unposted = None
         if ticket.record >= 0 and self.recorder is not None:
             self.recorder.unpush(ticket.record)
+
+    def watch(self) -> None:
+        """Read the control streams while the transport blocks inside an operation's issue.
+
+        The shared-memory all-reduce waits for its peers inside ``all_reduce`` (it
+        returns a finished Work), so a peer that is in another operation would only be
+        found at the transport's deadline; the transport calls this every slice of that
+        wait instead (``watches_all_reduce``). It sends this rank's staged descriptor if
+        it is not out yet (the peers need it to see the disagreement), then reads every
+        stream as a wait does: an abort, or a peer's descriptor that disagrees with the
+        collective this rank is in, raises here, on every rank within a slice.
+        """
+        if self._control is None:
+            return
+        if self._unposted is not None:
+            self.post(self._unposted)
+        self._scan(-1)
 
     @property
     def checks(self) -> bool:

@@ -69,6 +69,12 @@ class GuardedTransport:
         self._cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
         # all_reduce's entries again, under a shorter key: (shape, dtype, reduce op name)
         self._ar_cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
+        # a transport whose all_reduce may block inside the call (the MPI transport's
+        # shared-memory path) takes the guard's watch, so a peer in another operation is
+        # found within a slice, not at the transport's deadline; asked of the class, which
+        # a wrapper forwarding attributes to such a transport does not inherit
+        watches = getattr(type(transport), "watches_all_reduce", False)
+        self._watch = self.guard.watch if watches else None
 
     def _entry(self, op: str, buf: Any, reduce_op: str | None, root: int | None,
                src: int | None, dst: int | None,
@@ -150,7 +156,7 @@ class GuardedTransport:
         if not self._debug and type(buf) is np.ndarray:
             hit = self._ar_cache.get((buf.shape, buf.dtype, op._value_))
         if hit is None:
-            out = self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf,
+            out = self._run(lambda: self._issue(buf, op), "all_reduce", buf,
                             buf if self._debug else None, op._value_)
             if not self._debug and type(buf) is np.ndarray and len(self._ar_cache) < 4096:
                 self._ar_cache[(buf.shape, buf.dtype, op._value_)] = self._entry(
@@ -161,14 +167,14 @@ class GuardedTransport:
         staged = g.stage(hit[0], hit[1], seq, cseq)
         if staged is None:
             if g.checks:  # no free send slot: the general path
-                return self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf, None,
+                return self._run(lambda: self._issue(buf, op), "all_reduce", buf, None,
                                  op._value_)
             work = inner.all_reduce(buf, op)  # off mode: record, check nothing
             self.seq, self.cseq = seq + 1, cseq + 1
             return _issued(g.note(hit[0], seq, cseq), work)
         if not buf.flags.c_contiguous:  # the transport refuses it: raise before announcing
             g.unstage(staged)
-            return self._run(lambda: inner.all_reduce(buf, op), "all_reduce", buf, None,
+            return self._run(lambda: self._issue(buf, op), "all_reduce", buf, None,
                              op._value_)
         # A contiguous array of a (shape, dtype, op) the transport accepted before: it
         # accepts it again, so the descriptor goes out first and reaches every peer before
@@ -177,12 +183,20 @@ class GuardedTransport:
         # post left its peers to the slow path, and on a busy machine to a lost time slice)
         g.post(staged)
         try:
-            staged.work = inner.all_reduce(buf, op)
+            watch = self._watch
+            staged.work = (inner.all_reduce(buf, op) if watch is None else
+                           inner.all_reduce(buf, op, watch))  # type: ignore[call-arg]
         except BaseException as e:
             g.abandon(staged, e)
             raise
         self.seq, self.cseq = seq + 1, cseq + 1
         return staged
+
+    def _issue(self, buf: Any, op: ReduceOp) -> Work:
+        """The inner all_reduce, given the guard's watch where it takes one."""
+        if self._watch is None:
+            return self.inner.all_reduce(buf, op)
+        return self.inner.all_reduce(buf, op, self._watch)  # type: ignore[call-arg]
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""

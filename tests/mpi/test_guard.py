@@ -148,6 +148,65 @@ def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
         assert any(f"rank {r}" in text for r in range(world.size) if r != bad), text
 
 
+@pytest.mark.parametrize("recorder", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_a_shared_memory_all_reduce_against_another_op_raises_within_a_slice(
+        world: Any, recorder: bool, first: bool) -> None:
+    """The shared-memory all-reduce waits for its peers inside the transport's call; the
+    guard reads its streams from there (``watch``), so a rank in it while a peer
+    broadcasts raises within a slice, like the peer, not at the transport's deadline
+    (20 s here). ``first``: the all_reduce's first shape, whose descriptor would only go
+    out after the issue returned (the watch sends it); else a repeated one (sent
+    before)."""
+    _need2(world)
+    t = world.split(0, world.rank)
+    g = None
+    try:
+        assert t.set_all_reduce_policy(algorithm="shm") == "shm"
+        g = GuardedTransport(t, timeout=GUARD_TIMEOUT,
+                             recorder=Recorder() if recorder else None)
+        n = 1 << 16  # 256 KiB of float32: the shared-memory path
+        for i in range(40):
+            b = np.full(n, float(t.rank + i), np.float32)
+            g.all_reduce(b, "sum").wait()
+            assert b[0] == sum(range(t.size)) + t.size * i
+        shape = (n + 7,) if first else (n,)
+        bad = t.size - 1
+
+        def fault() -> None:
+            if t.rank == bad:
+                g.broadcast(np.zeros(shape, np.float32), 0).wait()
+            else:
+                g.all_reduce(np.ones(shape, np.float32), "sum").wait()
+
+        every = outcome(world, fault)
+        assert_all_raised(every, "all_reduce", "broadcast", f"rank {bad}")
+    finally:
+        if g is not None:
+            g.close()
+        t.finalize()
+
+
+def test_a_late_peer_at_a_shared_memory_all_reduce_is_no_mismatch(world: Any) -> None:
+    """Watching the streams while a peer is only late (in compute, 0.3 s) finds nothing
+    wrong: the all-reduce completes with the right sum on every rank."""
+    t = world.split(0, world.rank)
+    g = None
+    try:
+        t.set_all_reduce_policy(algorithm="shm")
+        g = GuardedTransport(t, timeout=GUARD_TIMEOUT)
+        for _ in range(3):
+            if t.rank == t.size - 1:
+                time.sleep(0.3)
+            b = np.full(1 << 16, float(t.rank), np.float32)
+            g.all_reduce(b, "sum").wait()
+            assert b[0] == sum(range(t.size))
+    finally:
+        if g is not None:
+            g.close()
+        t.finalize()
+
+
 def _p2p(g: GuardedTransport, case: str) -> None:
     """Pair (0, 1) exchanges one message with the fault injected; then all meet twice."""
     r = g.rank

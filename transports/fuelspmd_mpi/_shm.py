@@ -128,6 +128,9 @@ _SPIN_S = 2e-3
 # hence only without oversubscription.
 PIPE_MIN = 4 << 20
 _PIPE_CHUNK = 1 << 18
+# How often a rank waiting for its peers at a call's first sync lets the layer above read
+# its own streams (the collective guard's slice)
+_WATCH_S = 0.05
 # A pipelined call whose handshakes waited this long past the spin (a peer lost its core)
 # sends the next calls down the whole-size path (see ShmAllReduce._pipelined).
 _SLOW_WAIT_S = 1e-3
@@ -233,7 +236,7 @@ class ShmAllReduce:
         """Bytes of window this rank holds (its segments, the flag line excluded)."""
         return sum(self._windows) + self._lent.nbytes + self._pipe_bytes
 
-    def _sync(self, win: Any, seq: int) -> None:
+    def _sync(self, win: Any, seq: int, watch: Callable[[], None] | None = None) -> None:
         """Wait until every rank reached this phase boundary: a flag handshake in shared
         memory (each rank raises its counter, then polls everyone's), fenced by
         ``Win.Sync`` (a memory barrier) of ``win`` on both sides.
@@ -245,11 +248,13 @@ class ShmAllReduce:
         """
         win.Sync()
         self._syncs += 1
-        self._raise_and_wait(0, self._syncs, seq)
+        self._raise_and_wait(0, self._syncs, seq, watch)
         win.Sync()
 
-    def _raise_and_wait(self, slot: int, k: int, seq: int) -> None:
-        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``.
+    def _raise_and_wait(self, slot: int, k: int, seq: int,
+                        watch: Callable[[], None] | None = None) -> None:
+        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
+        calling ``watch`` every ``_WATCH_S`` of the wait (see :meth:`all_reduce`).
 
         ``Win.Sync`` of the flag window before raising the flag and after seeing the others'
         is the memory barrier around the phase: MPI_Win_sync is a full processor memory
@@ -260,6 +265,7 @@ class ShmAllReduce:
         flags = self._flags
         clock = time.monotonic
         began = start = clock()  # the deadline's start; the current spin's
+        watched = began + _WATCH_S
         spins = 0
         while True:
             if all(f[slot] >= k for f in flags):
@@ -269,6 +275,9 @@ class ShmAllReduce:
                 now = clock()
                 if now - began > self.timeout:
                     raise CommTimeoutError(self._late(seq, self.timeout))
+                if watch is not None and now > watched:
+                    watch()
+                    watched = clock() + _WATCH_S
                 if now - start > self._spin_s:
                     self._waited += now - start
                     start = now
@@ -348,7 +357,8 @@ class ShmAllReduce:
             copy_in = 0 if cls in self._windows else cls
             self._lent.grow(cls, self.cap_bytes - self.allocated_bytes - copy_in)
 
-    def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int) -> bool:
+    def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
+                   watch: Callable[[], None] | None = None) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
 
         Blocking: it returns when the result is in ``buf`` on this rank (the caller hands
@@ -357,6 +367,11 @@ class ShmAllReduce:
         lent area; whether it lost its core lately) into its flag line: the ranks check
         the headers against each other and, all reading the same headers, take the same
         path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
+
+        ``watch``, when given, is called every ``_WATCH_S`` while this rank waits at that
+        first sync (the layer above reads its own streams there: a peer that is in another
+        operation never comes, and the collective guard raises the mismatch within a
+        slice instead of at this wait's deadline).
         """
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
@@ -380,7 +395,7 @@ class ShmAllReduce:
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
         self._flags[r][3:10] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want, slow)
-        self._sync(self._flag_win, seq)
+        self._sync(self._flag_win, seq, watch)
         heads = [f[3:10].tolist() for f in self._flags]  # each line read once, as ints
         check_headers(heads, r, seq)
         placed = [h[4] for h in heads]

@@ -65,6 +65,9 @@ class MPITransport:
     """The Transport of one MPI communicator (COMM_WORLD, or a split of it)."""
 
     name = "mpi"
+    # all_reduce takes ``watch``: the shared-memory path blocks inside the call, and a
+    # guard over this transport reads its control streams from there (see all_reduce)
+    watches_all_reduce = True
 
     def __init__(self, comm: Any, *, MPI: Any, timeout: float, label: str = "world",
                  types: Types | None = None) -> None:
@@ -160,11 +163,14 @@ class MPITransport:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
+    def all_reduce(self, buf: Any, op: ReduceOp | str,
+                   watch: Callable[[], None] | None = None) -> Work:
         """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
 
         Sizes that :meth:`set_all_reduce_policy` put on the shared-memory path go through
-        it instead and are complete when this returns (the Work is already done).
+        it instead and are complete when this returns (the Work is already done); while
+        such a call waits for its peers it calls ``watch`` every 50 ms (the collective
+        guard passes its own: ``watches_all_reduce``).
         """
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
@@ -187,7 +193,7 @@ class MPITransport:
             algo = route.algorithm(buf.nbytes)
             shm, hier = self._shm, self._hier
             if algo == "shm" and shm is not None:
-                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq):
+                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq, watch):
                     return DONE
             elif algo == "hierarchical" and hier is not None:
                 hier.all_reduce(buf, plan, seq, self.size)

@@ -150,19 +150,25 @@ def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
 
 @pytest.mark.parametrize("recorder", [False, True])
 @pytest.mark.parametrize("first", [False, True])
-def test_a_shared_memory_all_reduce_against_another_op_raises_within_a_slice(
-        world: Any, recorder: bool, first: bool) -> None:
-    """The shared-memory all-reduce waits for its peers inside the transport's call; the
-    guard reads its streams from there (``watch``), so a rank in it while a peer
-    broadcasts raises within a slice, like the peer, not at the transport's deadline
-    (20 s here). ``first``: the all_reduce's first shape, whose descriptor would only go
-    out after the issue returned (the watch sends it); else a repeated one (sent
-    before)."""
+@pytest.mark.parametrize("algo", ["shm", "hierarchical"])
+def test_a_blocking_all_reduce_against_another_op_raises_within_a_slice(
+        world: Any, recorder: bool, first: bool, algo: str) -> None:
+    """The shared-memory and the hierarchical all-reduce wait for their peers inside the
+    transport's call; the guard reads its streams from there (``watch``), so a rank in
+    one while a peer broadcasts raises within a slice, like the peer, not at the
+    transport's deadline (20 s here). ``first``: the all_reduce's first shape, whose
+    descriptor would only go out after the issue returned (the watch sends it); else a
+    repeated one (sent before). The hierarchical case runs on a declared two-node layout
+    (4 ranks and more, even)."""
     _need2(world)
+    nodes = [r * 2 // world.size for r in range(world.size)]
+    if algo == "hierarchical" and (world.size < 4 or world.size % 2):
+        pytest.skip("the hierarchical all-reduce needs two nodes of 2+ ranks each")
     t = world.split(0, world.rank)
     g = None
     try:
-        assert t.set_all_reduce_policy(algorithm="shm") == "shm"
+        assert t.set_all_reduce_policy(
+            algorithm=algo, nodes=nodes if algo == "hierarchical" else None) == algo
         g = GuardedTransport(t, timeout=GUARD_TIMEOUT,
                              recorder=Recorder() if recorder else None)
         n = 1 << 16  # 256 KiB of float32: the shared-memory path

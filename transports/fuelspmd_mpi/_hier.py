@@ -20,7 +20,7 @@ exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,8 +63,10 @@ class Hierarchical:
             return None
         return cls(intra, inter, MPI=MPI, owner=owner)
 
-    def all_reduce(self, buf: np.ndarray, plan: ReducePlan, seq: int, size: int) -> None:
-        """Reduce the C-contiguous ``buf`` over the group in place; blocking."""
+    def all_reduce(self, buf: np.ndarray, plan: ReducePlan, seq: int, size: int,
+                   watch: Callable[[], None] | None = None) -> None:
+        """Reduce the C-contiguous ``buf`` over the group in place; blocking, each step's
+        wait calling ``watch`` every slice (see ``MPITransport.all_reduce``)."""
         flat = buf.reshape(-1)
         g, r = self.per_node, self.intra.Get_rank()
         base, extra = divmod(flat.size, g)
@@ -75,14 +77,14 @@ class Hierarchical:
         owner = self._owner
         MPIWork(self.intra.Ireduce_scatter([flat, dt], [piece, dt], counts, plan.mpi_op),
                 owner, "all_reduce (hierarchical: intra-node reduce_scatter)", seq,
-                keep=(flat, piece)).wait()
+                keep=(flat, piece)).wait(watch=watch)
         if piece.size:
             MPIWork(self.inter.Iallreduce(self._MPI.IN_PLACE, [piece, dt], plan.mpi_op),
                     owner, "all_reduce (hierarchical: inter-node all_reduce)", seq,
-                    keep=piece).wait()
+                    keep=piece).wait(watch=watch)
         MPIWork(self.intra.Iallgatherv([piece, dt], [flat, (counts, displs), dt]),
                 owner, "all_reduce (hierarchical: intra-node all_gather)", seq,
-                keep=(flat, piece)).wait()
+                keep=(flat, piece)).wait(watch=watch)
         if plan.avg:
             divide(buf, size)
 

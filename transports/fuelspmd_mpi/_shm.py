@@ -111,6 +111,7 @@ from fuelspmd_mpi._shm_window import (
     round_up,
     size_class,
 )
+from fuelspmd_mpi._work import WATCH_S
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
@@ -128,9 +129,6 @@ _SPIN_S = 2e-3
 # hence only without oversubscription.
 PIPE_MIN = 4 << 20
 _PIPE_CHUNK = 1 << 18
-# How often a rank waiting for its peers at a call's first sync lets the layer above read
-# its own streams (the collective guard's slice)
-_WATCH_S = 0.05
 # A pipelined call whose handshakes waited this long past the spin (a peer lost its core)
 # sends the next calls down the whole-size path (see ShmAllReduce._pipelined).
 _SLOW_WAIT_S = 1e-3
@@ -254,7 +252,7 @@ class ShmAllReduce:
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         watch: Callable[[], None] | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
-        calling ``watch`` every ``_WATCH_S`` of the wait (see :meth:`all_reduce`).
+        calling ``watch`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`).
 
         ``Win.Sync`` of the flag window before raising the flag and after seeing the others'
         is the memory barrier around the phase: MPI_Win_sync is a full processor memory
@@ -265,7 +263,7 @@ class ShmAllReduce:
         flags = self._flags
         clock = time.monotonic
         began = start = clock()  # the deadline's start; the current spin's
-        watched = began + _WATCH_S
+        watched = began + WATCH_S
         spins = 0
         while True:
             if all(f[slot] >= k for f in flags):
@@ -277,7 +275,7 @@ class ShmAllReduce:
                     raise CommTimeoutError(self._late(seq, self.timeout))
                 if watch is not None and now > watched:
                     watch()
-                    watched = clock() + _WATCH_S
+                    watched = clock() + WATCH_S
                 if now - start > self._spin_s:
                     self._waited += now - start
                     start = now
@@ -368,7 +366,7 @@ class ShmAllReduce:
         the headers against each other and, all reading the same headers, take the same
         path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
 
-        ``watch``, when given, is called every ``_WATCH_S`` while this rank waits at that
+        ``watch``, when given, is called every ``WATCH_S`` while this rank waits at that
         first sync (the layer above reads its own streams there: a peer that is in another
         operation never comes, and the collective guard raises the mismatch within a
         slice instead of at this wait's deadline).

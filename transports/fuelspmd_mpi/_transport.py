@@ -196,7 +196,7 @@ class MPITransport:
                 if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq, watch):
                     return DONE
             elif algo == "hierarchical" and hier is not None:
-                hier.all_reduce(buf, plan, seq, self.size)
+                hier.all_reduce(buf, plan, seq, self.size, watch)
                 return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:

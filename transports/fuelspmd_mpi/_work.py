@@ -33,7 +33,7 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import ReduceOp, poll_until
 
-__all__ = ["MPIWork", "ReducePlan", "Types"]
+__all__ = ["WATCH_S", "MPIWork", "ReducePlan", "Types"]
 
 # A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
 # small collective completes within a few, so 8 B latency stays at raw MPI's.
@@ -45,6 +45,9 @@ _BURST = 64
 # 1 ms (blocking MPI: 0.61 ms); at 3 ranks, 8 B: 0.66 ms against 2.6 ms. A wait that ends
 # within its first 65 polls (most small collectives) never yields.
 _YIELD_AFTER_S = 1e-5
+# How often a wait inside a transport call lets the layer above read its own streams
+# (``watch``: the collective guard's slice); the shared-memory path's waits use it too.
+WATCH_S = 0.05
 
 
 class ReducePlan:
@@ -171,8 +174,13 @@ class MPIWork:
         except self._owner.mpi_error as e:  # truncation, a failed peer, ...
             raise self._error(e) from e
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's)."""
+    def wait(self, timeout: float | None = None,
+             watch: Callable[[], None] | None = None) -> None:
+        """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's).
+
+        ``watch``, when given, is called every ``WATCH_S`` of the wait: a wait inside a
+        transport call (the hierarchical all-reduce's steps) lets the collective guard
+        read its streams there, as its own waits do between slices."""
         req = self._req
         if req is None:
             return
@@ -185,6 +193,7 @@ class MPIWork:
             clock = time.monotonic
             start = clock()
             deadline = start + limit
+            watched = start + WATCH_S
             while True:
                 for _ in range(_BURST):
                     if test():
@@ -193,6 +202,9 @@ class MPIWork:
                 now = clock()
                 if now > deadline:
                     raise CommTimeoutError(self._late(limit))
+                if watch is not None and now > watched:
+                    watch()
+                    watched = clock() + WATCH_S
                 if now - start > _YIELD_AFTER_S:
                     os.sched_yield()
         except self._owner.mpi_error as e:

@@ -193,6 +193,40 @@ def test_a_blocking_all_reduce_against_another_op_raises_within_a_slice(
         t.finalize()
 
 
+def test_a_new_size_in_the_graph_against_another_op_raises_within_a_slice(
+        world: Any) -> None:
+    """The graph places an all_reduce input in a lent shared area (``window_buffer``); the
+    first all_reduce of a size has none yet, and its area is made inside that call, after
+    the header sync, where allocating (collective) is safe: a rank whose peer is in another
+    operation raises the mismatch within a slice instead of waiting inside MPI's window
+    allocation, which has no deadline."""
+    import fuelspmd as fs
+    from fuelspmd.comm import Communicator
+
+    _need2(world)
+    t = world.split(0, world.rank)
+    g = None
+    try:
+        assert t.set_all_reduce_policy(algorithm="shm") == "shm"
+        g = GuardedTransport(t, timeout=GUARD_TIMEOUT)
+        comm = Communicator(g, device="cpu:0", timeout=TIMEOUT)
+        count = 3 << 18  # 3 MiB of float32: a size class no call here made before
+        bad = t.size - 1
+
+        def fault() -> None:
+            if t.rank == bad:
+                comm.broadcast(fs.tensor(np.zeros(count, np.float32)), 0).realize()
+            else:
+                comm.all_reduce(fs.tensor(np.ones(count, np.float32))).realize()
+
+        every = outcome(world, fault)
+        assert_all_raised(every, "all_reduce", "broadcast", f"rank {bad}")
+    finally:
+        if g is not None:
+            g.close()
+        t.finalize()
+
+
 def test_a_late_peer_at_a_shared_memory_all_reduce_is_no_mismatch(world: Any) -> None:
     """Watching the streams while a peer is only late (in compute, 0.3 s) finds nothing
     wrong: the all-reduce completes with the right sum on every rank."""

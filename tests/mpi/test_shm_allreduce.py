@@ -381,13 +381,21 @@ def test_a_rank_that_never_comes_is_a_timeout_not_a_hang(world: Any) -> None:
 
 
 def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
-    """window_buffer lends the area only while nobody holds a view of it; an all_reduce of
-    a private buffer of the same size class never writes it."""
+    """window_buffer lends the area only while nobody holds a view of it (the first ask
+    of a class gets none: the class's next all_reduce makes it, on every rank, after its
+    header sync); an all_reduce of a private buffer of the same size class never writes
+    it."""
     count = 300_000  # float32, 1.2 MiB (the policy here: shm at every size)
     area = world.window_buffer(count * 4, np.dtype(np.float32))
     if world.size == 1:
         assert area is None  # one rank: nothing is reduced in shared memory
         return
+    if area is None:  # the class's first ask (no test before made it)
+        first = data("first", world.rank, count, "float32")
+        world.all_reduce(first, "sum").wait()  # copied in; adds the area it asked for
+        np.testing.assert_array_equal(first, fold("first", world.size, count, "float32",
+                                                  "sum"))
+        area = world.window_buffer(count * 4, np.dtype(np.float32))
     assert area is not None and area.nbytes >= count * 4
     held = area[:count * 4].view(np.float32)
     del area

@@ -23,21 +23,24 @@ Placed inputs. A second window per size class is *lent*
 (:meth:`ShmAllReduce.shared_buffer`, and the transport's ``window_buffer``, through which
 the lazy graph places all_reduce inputs and buckets there). A class gets more lent windows
 as a program holds more results of its size at once (the buckets of one step): a rank that
-asks for a free area and finds all held says so in its next call's header, and at the end
-of that call every rank adds one (allocating is collective), up to ``LENT_MAX`` and within
-the cap (:mod:`fuelspmd_mpi._shm_lent`). When every rank's input starts one of its lent
-areas (not necessarily the same one), no data is copied in: each rank folds its slice and
-writes the result into that slice of every rank's area (only it touches that slice of any
-area), and the ranks sync once: every area then holds the whole result. That is ``N``
-read and ``N`` written per rank in one pass, against the copy-in path's extra ``(n-1)/n
-N`` in and out; measured, 2 ranks on 2 cores, against MPICH (``fuelspmd bench shm``,
-column ``shm_zc``, this tree and the one before alternately): 1.56-1.89x at 1 MiB,
-1.94-2.10x at 4 MiB, 2.30-2.62x at 16 MiB, 3.99-4.15x at 64 MiB, where folding in place,
-copying the others' slices out after a sync and meeting once more gave 1.36-1.51x,
-1.81-1.83x, 1.69-1.71x and 3.15-3.59x. The ranks learn from the headers, after the first
-sync, whether all inputs were placed; when only some were, those ranks copy in like the
-others and all sync once more. The lent area is never the copy-in area, so a caller may
-hold a result there while other all_reduces of that size run through the copy-in path.
+asks for a free area and finds all held (or none yet: the class's first) says so in its
+next call's header, and at the end of that call every rank adds one (allocating is
+collective, and only inside a call do the ranks know they are all there), up to
+``LENT_MAX`` and within the cap (:mod:`fuelspmd_mpi._shm_lent`).
+
+When every rank's input starts one of its lent areas (not necessarily the same one), no
+data is copied in: each rank folds its slice and writes the result into that slice of
+every rank's area (only it touches that slice of any area), and the ranks sync once: every
+area then holds the whole result. That is ``N`` read and ``N`` written per rank in one
+pass, against the copy-in path's extra ``(n-1)/n N`` in and out; measured, 2 ranks on 2
+cores, against MPICH (``fuelspmd bench shm``, column ``shm_zc``, this tree and the one
+before alternately): 1.56-1.89x at 1 MiB, 1.94-2.10x at 4 MiB, 2.30-2.62x at 16 MiB,
+3.99-4.15x at 64 MiB, where folding in place, copying the others' slices out after a sync
+and meeting once more gave 1.36-1.51x, 1.81-1.83x, 1.69-1.71x and 3.15-3.59x. The ranks
+learn from the headers, after the first sync, whether all inputs were placed; when only
+some were, those ranks copy in like the others and all sync once more. The lent area is
+never the copy-in area, so a caller may hold a result there while other all_reduces of
+that size run through the copy-in path.
 
 Per rank that is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold,
 ``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, against about
@@ -342,9 +345,9 @@ class ShmAllReduce:
 
     def lent_area(self, nbytes: int) -> np.ndarray | None:
         """A whole lent area of ``nbytes``' class that nobody holds any view of, else None
-        (local: the class must have been lent before, see :meth:`shared_buffer`). None
-        also asks for one more area: the class's next all_reduce adds it on every rank
-        (allocating is collective), within the cap."""
+        (local). None also asks for one more area, or the class's first: the class's next
+        all_reduce adds it on every rank after its header sync (allocating is collective),
+        within the cap."""
         return self._lent.free_area(nbytes)
 
     def _grow(self, cls: int, want: bool) -> None:

@@ -65,9 +65,9 @@ class LentAreas:
 
     def free_area(self, nbytes: int) -> np.ndarray | None:
         """A whole area of ``nbytes``' class that nobody holds a view of, else None, which
-        also asks for one more (see :meth:`asked`). The class must exist (:meth:`first`)."""
+        also asks for one more (see :meth:`asked`; the class's first, where it has none)."""
         cls = size_class(nbytes)
-        for i, ref in enumerate(self._holds[cls]):
+        for i, ref in enumerate(self._holds.get(cls, ())):
             if ref is None or ref() is None:
                 return self._hold(cls, i)
         self._asked.add(cls)
@@ -113,12 +113,16 @@ class LentAreas:
         return segs, ws[placed[self.rank] - 1].win
 
     def grow(self, cls: int, room: int) -> None:
-        """Add an area to ``cls`` (collective: every rank at the same point of the same
-        call, once a sync showed them all the same asks) when ``room`` bytes are left."""
-        ws = self.windows.get(cls)
-        if ws is not None and len(ws) < LENT_MAX and cls <= room:
+        """Add an area to ``cls``, its first or one more (collective: every rank at the
+        same point of the same call, once a sync showed them all the same asks) when
+        ``room`` bytes are left."""
+        ws = self.windows.setdefault(cls, [])
+        holds = self._holds.setdefault(cls, [])
+        if len(ws) < LENT_MAX and cls <= room:
             ws.append(Window(self._MPI, self._node, cls, lent=True))
-            self._holds[cls].append(None)
+            holds.append(None)
+        elif not ws:  # nothing fits: the class stays unlent
+            del self.windows[cls], self._holds[cls]
 
     def held(self) -> bool:
         """Whether this rank holds a view of any area."""

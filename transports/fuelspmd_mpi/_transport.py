@@ -347,25 +347,23 @@ class MPITransport:
         """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of
         ``nbytes`` of ``dtype`` to take as its buffer, or None: when this transport would
         not reduce it in shared memory (another algorithm for the size, a dtype the shm
-        path leaves to MPI, over the cap), or when someone still holds a view of the area.
+        path leaves to MPI), or when its size class has no free area yet.
 
         The lazy graph's placement (fuelspmd.comm.ops): an all_reduce input copied into it,
         or produced there, is reduced where it lies, and its result stays there, so a
         program that feeds the result to the next all_reduce (gradients step after step, a
-        bucket) copies nothing. Collective on the first call for a size class, like
-        :meth:`shared_buffer`; every rank reaches it in the same collective order.
+        bucket) copies nothing. Local: a class with no free area (the first call of a
+        size, or every area held) asks for one, and the class's next all_reduce adds it on
+        every rank, after its header sync, within the cap. Allocating a window is
+        collective, and only there do the ranks know they are all in one call of one size:
+        a rank that allocated on its own here, while a peer was in another operation,
+        would wait inside MPI with no deadline.
         """
         key = (nbytes, dtype)
         lent = self._lend_for.get(key)
         if lent is None:
-            lent = False
-            if (self._shm is not None and nbytes > 0
-                    and self.all_reduce_algorithm(nbytes, dtype) == "shm"):
-                try:
-                    self._shm.shared_buffer(nbytes)
-                    lent = True
-                except ConfigError:  # over the cap: every rank decides the same
-                    pass
+            lent = (self._shm is not None and nbytes > 0
+                    and self.all_reduce_algorithm(nbytes, dtype) == "shm")
             if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
                 self._lend_for[key] = lent
         return self._shm.lent_area(nbytes) if lent else None  # type: ignore[union-attr]

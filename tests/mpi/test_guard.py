@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,37 @@ def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
         assert any(f"rank {r}" in text for r in range(world.size) if r != bad), text
 
 
+@contextmanager
+def guarded_split(world: Any, algorithm: str, recorder: bool = False,
+                  nodes: list[int] | None = None) -> Iterator[GuardedTransport]:
+    """A guard over a fresh split of the world whose all_reduce policy is ``algorithm``;
+    the split is finalized after (a test that leaves it out of step harms no other)."""
+    t = world.split(0, world.rank)
+    g = None
+    try:
+        assert t.set_all_reduce_policy(algorithm=algorithm, nodes=nodes) == algorithm
+        g = GuardedTransport(t, timeout=GUARD_TIMEOUT, recorder=Recorder() if recorder else None)
+        yield g
+    finally:
+        if g is not None:
+            g.close()
+        t.finalize()
+
+
+def _broadcast_against(g: GuardedTransport, world: Any,
+                       all_reduce: Callable[[], None]) -> None:
+    """The last rank broadcasts while the others run ``all_reduce``: all must raise."""
+    bad = g.size - 1
+
+    def fault() -> None:
+        if g.rank == bad:
+            g.broadcast(np.zeros(4, np.float32), 0).wait()
+        else:
+            all_reduce()
+
+    assert_all_raised(outcome(world, fault), "all_reduce", "broadcast", f"rank {bad}")
+
+
 @pytest.mark.parametrize("recorder", [False, True])
 @pytest.mark.parametrize("first", [False, True])
 @pytest.mark.parametrize("algo", ["shm", "hierarchical"])
@@ -161,36 +193,20 @@ def test_a_blocking_all_reduce_against_another_op_raises_within_a_slice(
     repeated one (sent before). The hierarchical case runs on a declared two-node layout
     (4 ranks and more, even)."""
     _need2(world)
-    nodes = [r * 2 // world.size for r in range(world.size)]
-    if algo == "hierarchical" and (world.size < 4 or world.size % 2):
-        pytest.skip("the hierarchical all-reduce needs two nodes of 2+ ranks each")
-    t = world.split(0, world.rank)
-    g = None
-    try:
-        assert t.set_all_reduce_policy(
-            algorithm=algo, nodes=nodes if algo == "hierarchical" else None) == algo
-        g = GuardedTransport(t, timeout=GUARD_TIMEOUT,
-                             recorder=Recorder() if recorder else None)
+    nodes = None
+    if algo == "hierarchical":
+        if world.size < 4 or world.size % 2:
+            pytest.skip("the hierarchical all-reduce needs two nodes of 2+ ranks each")
+        nodes = [r * 2 // world.size for r in range(world.size)]
+    with guarded_split(world, algo, recorder, nodes) as g:
         n = 1 << 16  # 256 KiB of float32: the shared-memory path
         for i in range(40):
-            b = np.full(n, float(t.rank + i), np.float32)
+            b = np.full(n, float(g.rank + i), np.float32)
             g.all_reduce(b, "sum").wait()
-            assert b[0] == sum(range(t.size)) + t.size * i
+            assert b[0] == sum(range(g.size)) + g.size * i
         shape = (n + 7,) if first else (n,)
-        bad = t.size - 1
-
-        def fault() -> None:
-            if t.rank == bad:
-                g.broadcast(np.zeros(shape, np.float32), 0).wait()
-            else:
-                g.all_reduce(np.ones(shape, np.float32), "sum").wait()
-
-        every = outcome(world, fault)
-        assert_all_raised(every, "all_reduce", "broadcast", f"rank {bad}")
-    finally:
-        if g is not None:
-            g.close()
-        t.finalize()
+        _broadcast_against(g, world,
+                           lambda: g.all_reduce(np.ones(shape, np.float32), "sum").wait())
 
 
 def test_a_new_size_in_the_graph_against_another_op_raises_within_a_slice(
@@ -204,47 +220,23 @@ def test_a_new_size_in_the_graph_against_another_op_raises_within_a_slice(
     from fuelspmd.comm import Communicator
 
     _need2(world)
-    t = world.split(0, world.rank)
-    g = None
-    try:
-        assert t.set_all_reduce_policy(algorithm="shm") == "shm"
-        g = GuardedTransport(t, timeout=GUARD_TIMEOUT)
+    with guarded_split(world, "shm") as g:
         comm = Communicator(g, device="cpu:0", timeout=TIMEOUT)
         count = 3 << 18  # 3 MiB of float32: a size class no call here made before
-        bad = t.size - 1
-
-        def fault() -> None:
-            if t.rank == bad:
-                comm.broadcast(fs.tensor(np.zeros(count, np.float32)), 0).realize()
-            else:
-                comm.all_reduce(fs.tensor(np.ones(count, np.float32))).realize()
-
-        every = outcome(world, fault)
-        assert_all_raised(every, "all_reduce", "broadcast", f"rank {bad}")
-    finally:
-        if g is not None:
-            g.close()
-        t.finalize()
+        _broadcast_against(g, world, lambda: comm.all_reduce(
+            fs.tensor(np.ones(count, np.float32))).realize())
 
 
 def test_a_late_peer_at_a_shared_memory_all_reduce_is_no_mismatch(world: Any) -> None:
     """Watching the streams while a peer is only late (in compute, 0.3 s) finds nothing
     wrong: the all-reduce completes with the right sum on every rank."""
-    t = world.split(0, world.rank)
-    g = None
-    try:
-        t.set_all_reduce_policy(algorithm="shm")
-        g = GuardedTransport(t, timeout=GUARD_TIMEOUT)
+    with guarded_split(world, "shm" if world.size > 1 else "mpi") as g:
         for _ in range(3):
-            if t.rank == t.size - 1:
+            if g.rank == g.size - 1:
                 time.sleep(0.3)
-            b = np.full(1 << 16, float(t.rank), np.float32)
+            b = np.full(1 << 16, float(g.rank), np.float32)
             g.all_reduce(b, "sum").wait()
-            assert b[0] == sum(range(t.size))
-    finally:
-        if g is not None:
-            g.close()
-        t.finalize()
+            assert b[0] == sum(range(g.size))
 
 
 def _p2p(g: GuardedTransport, case: str) -> None:

@@ -380,6 +380,35 @@ def test_a_rank_that_never_comes_is_a_timeout_not_a_hang(world: Any) -> None:
         t.finalize()
 
 
+def test_shared_buffer_of_a_new_size_agrees_under_the_deadline(world: Any) -> None:
+    """shared_buffer's first call of a size allocates a window (collective, with no
+    deadline inside MPI), so the ranks first agree on the size under the transport's: a
+    rank that never comes gives the others CommTimeoutError, ranks that pass different
+    sizes all raise CollectiveMismatchError."""
+    import time
+
+    from fuelspmd.errors import CommTimeoutError
+
+    if world.size == 1:
+        pytest.skip("needs a peer")
+    for case in ("absent", "other size"):
+        t = world.split(0, world.rank)
+        try:
+            assert t.set_all_reduce_policy(algorithm="shm") == "shm"
+            t.timeout = 0.5
+            start = time.monotonic()
+            if case == "absent" and world.rank == 0:
+                with pytest.raises(CommTimeoutError, match="shared_buffer"):
+                    t.shared_buffer(3 << 20)
+                assert time.monotonic() - start < 5.0
+            elif case == "other size":
+                with pytest.raises(CollectiveMismatchError, match="different size classes"):
+                    t.shared_buffer((3 << 20) if world.rank == 0 else (1 << 20))
+            world.barrier().wait()
+        finally:
+            t.finalize()
+
+
 def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
     """window_buffer lends the area only while nobody holds a view of it (the first ask
     of a class gets none: the class's next all_reduce makes it, on every rank, after its

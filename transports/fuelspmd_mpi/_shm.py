@@ -343,6 +343,11 @@ class ShmAllReduce:
         """
         return self._lent.first(nbytes, self.allocated_bytes, self.cap_bytes, self.cap_note)
 
+    def lends(self, nbytes: int) -> bool:
+        """Whether ``nbytes``' class has a lent area already (else :meth:`shared_buffer`
+        allocates one: collective)."""
+        return size_class(nbytes) in self._lent.windows
+
     def lent_area(self, nbytes: int) -> np.ndarray | None:
         """A whole lent area of ``nbytes``' class that nobody holds any view of, else None
         (local). None also asks for one more area, or the class's first: the class's next

@@ -341,7 +341,22 @@ class MPITransport:
         """
         if self._shm is None:
             return np.empty(int(nbytes), np.uint8)
+        if not self._shm.lends(int(nbytes)):  # the class's first call: it allocates
+            self._agree_class("shared_buffer", size_class(int(nbytes)))
         return self._shm.shared_buffer(int(nbytes))
+
+    def _agree_class(self, what: str, cls: int) -> None:
+        """Before a collective window allocation, agree on its size class under the
+        transport's deadline: MPI's allocation itself waits with none, so a rank that
+        never comes (or comes with another size) would leave the others there forever."""
+        sizes = np.array([cls, -cls], np.int64)
+        req = self._comm.Iallreduce(self._MPI.IN_PLACE, sizes, self._MPI.MAX)
+        MPIWork(req, self, what, self._next(), keep=sizes).wait()
+        if sizes[0] != -sizes[1]:
+            raise CollectiveMismatchError(
+                f"{what} on rank {self.rank} of {self.label}: the ranks asked for windows of "
+                f"different size classes ({-sizes[1]} to {sizes[0]} bytes); every rank must "
+                f"pass the same nbytes")
 
     def window_buffer(self, nbytes: int, dtype: Any) -> np.ndarray | None:
         """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of

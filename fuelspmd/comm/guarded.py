@@ -73,8 +73,10 @@ class GuardedTransport:
         # shared-memory path) takes the guard's watch, so a peer in another operation is
         # found within a slice, not at the transport's deadline; asked of the class, which
         # a wrapper forwarding attributes to such a transport does not inherit
-        watches = getattr(type(transport), "watches_all_reduce", False)
-        self._watch = self.guard.watch if watches else None
+        watch = self.guard.watch
+        self._issue: Callable[[Any, ReduceOp], Work] = (
+            (lambda buf, op: transport.all_reduce(buf, op, watch))  # type: ignore[call-arg]
+            if getattr(type(transport), "watches_all_reduce", False) else transport.all_reduce)
 
     def _entry(self, op: str, buf: Any, reduce_op: str | None, root: int | None,
                src: int | None, dst: int | None,
@@ -183,20 +185,12 @@ class GuardedTransport:
         # post left its peers to the slow path, and on a busy machine to a lost time slice)
         g.post(staged)
         try:
-            watch = self._watch
-            staged.work = (inner.all_reduce(buf, op) if watch is None else
-                           inner.all_reduce(buf, op, watch))  # type: ignore[call-arg]
+            staged.work = self._issue(buf, op)
         except BaseException as e:
             g.abandon(staged, e)
             raise
         self.seq, self.cseq = seq + 1, cseq + 1
         return staged
-
-    def _issue(self, buf: Any, op: ReduceOp) -> Work:
-        """The inner all_reduce, given the guard's watch where it takes one."""
-        if self._watch is None:
-            return self.inner.all_reduce(buf, op)
-        return self.inner.all_reduce(buf, op, self._watch)  # type: ignore[call-arg]
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""

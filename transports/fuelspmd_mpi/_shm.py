@@ -335,9 +335,9 @@ class ShmAllReduce:
         window; every rank calls it with the same ``nbytes``), then the same memory again.
         An all_reduce of an array that starts at the returned view's first byte and has
         the same class of size reads its input where it lies and leaves the result there:
-        when every rank's input is so placed, each folds its slice in place and copies the
-        others' from their segments (:meth:`_reduce_in_window`), one pass over memory less
-        than copying in. The view stays valid until the transport is finalized; the
+        when every rank's input is so placed, each folds its slice into every rank's
+        segment (:meth:`_reduce_in_window`), one pass over memory, where copying in takes
+        two. The view stays valid until the transport is finalized; the
         transport never writes it except as such an all_reduce's buffer, so its owner may
         hold a result there while other all_reduces run.
         """

@@ -47,6 +47,7 @@ from fuelspmd.errors import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "CallCheck",
     "DoneWork",
     "ReduceOp",
     "SelfTransport",
@@ -101,6 +102,32 @@ class Work(Protocol):
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete; raise CommTimeoutError after ``timeout`` seconds."""
         ...
+
+
+class CallCheck(Protocol):
+    """A caller's check riding on an all_reduce that meets its peers inside the call.
+
+    A transport whose class says ``checks_all_reduce = True`` takes one as all_reduce's
+    third argument. While the call waits for its peers it calls ``watch()`` every slice
+    (the collective guard reads its control streams there: a peer in another operation
+    never comes). Where the peers meet over a header they all read (the MPI transport's
+    shared-memory path), the transport carries ``key``, ``cseq`` and ``oob`` in it and,
+    after the meeting, either sets ``outcome`` (False: every rank's ``key`` and ``cseq``
+    agree and no rank's ``oob`` is set; True: they agree and some rank's ``oob`` is set)
+    or, when ``key`` or ``cseq`` differ, calls ``disagree(rows)`` with every rank's
+    ``[key, cseq, oob]``, which raises. A path with no such meeting (MPI's own
+    all-reduce) leaves ``outcome`` None: nothing was checked. Every rank reads the same
+    headers, so every rank learns the same thing: that is what lets the guard skip its own
+    control messages for an operation so checked (:mod:`fuelspmd.comm.guard`).
+    """
+
+    key: int
+    cseq: int
+    oob: int
+    outcome: bool | None
+
+    def watch(self) -> None: ...
+    def disagree(self, rows: list[list[int]]) -> None: ...
 
 
 @runtime_checkable

@@ -37,6 +37,32 @@ What ``default`` mode (the mode ``fs.init()`` uses) guarantees, exactly:
    the error says so.
 5. Once the guard has failed, every later operation on it raises the same error class.
 
+In-band. Where the transport already makes the ranks meet over a header they all read
+(the MPI transport's shared-memory all-reduce: ``checks_all_reduce``), a repeated
+all_reduce sends no control message at all: its :class:`Call` (a
+:class:`~fuelspmd.transport.CallCheck`) puts a digest of the descriptor (``key``, which
+covers op, shape, dtype, reduce op and group) and the collective number in that header,
+and the transport compares them with every peer's before it moves any data. That is the
+same per-operation comparison as guarantee 1, made where the ranks meet anyway, so
+nothing is released unchecked. It keeps the guarantees because every rank decides alike
+from the headers it read:
+
+- a rank takes the in-band path only when the guard is *settled* (every descriptor it
+  sent matched, every one it received consumed: no send or recv awaits its match, so
+  the fence of guarantee 1 holds); otherwise it announces the collective as before and
+  sets ``oob`` in the header, and every rank that sees an ``oob`` announces the
+  collective too (*promotes* it), after the data moved, and matches it as usual: the
+  control streams stay in step, each pair's stream holding the same collectives;
+- ranks whose digests or numbers differ all promote and match (:meth:`Guard.disagree`),
+  so the error names the fields as ever;
+- a rank waiting in such a call reads its streams every slice (``watch``): an abort, or
+  any descriptor a peer sent (a peer that went to another operation announced it; one
+  that sent or awaits a point-to-point message this rank never issued did too), makes it
+  promote its collective there, and the match raises the mismatch on both sides. A peer
+  that is only late sends nothing, and nothing happens.
+
+Measured: ``fuelspmd bench guard`` below.
+
 ``debug`` mode also compares a collective's descriptors *before* issuing it (a mismatched
 collective never reaches the transport) and a CRC of every result that must be identical
 on all ranks (all_reduce, all_gather, broadcast). ``off`` records, checks nothing.
@@ -79,6 +105,7 @@ from fuelspmd.comm.streams import (
     _BATCH,
     _DEPTH,
     _FP,
+    _HINT,
     _KIND,
     _MSG_CSEQ,
     _MSG_SEQ,
@@ -100,6 +127,52 @@ from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError
 from fuelspmd.transport import Transport, Work
 
 __all__ = ["MODES", "MSG_LEN", "Guard", "Ticket"]
+
+
+def descriptor_key(template: np.ndarray) -> int:
+    """A digest of what two agreeing collectives share (a message's ``_SAME`` run: kind,
+    op, shape, dtype, reduce op, root, group...), alike on every rank (CRC-32 and Adler-32,
+    not Python's per-process salted ``hash``); 62 bits, for an int64 header word."""
+    b = template[_SAME].tobytes()
+    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
+
+
+class Call:
+    """One kind of guarded all_reduce (shape, dtype, reduce op), and its in-band check.
+
+    A GuardedTransport (``owner``: its ``seq`` is the call's number) caches one per kind:
+    ``fp`` and ``template`` are its fingerprint and control message templates, ``key``
+    their digest, ``shape``, ``dtype`` and ``op`` what it is looked up by. It is the
+    :class:`~fuelspmd.transport.CallCheck` handed to a transport that checks in-band:
+    ``cseq`` and ``outcome`` are set per call; ``oob`` is 1 while the call is announced
+    over the control streams (posted before the issue, or promoted: ``ticket``), and every
+    rank that sees it in a header announces the call too. ``inband`` says whether the
+    transport checked the last call of this kind (MPI's own all-reduce of a small size
+    does not): it predicts the next, which is otherwise announced first.
+    """
+
+    __slots__ = ("cseq", "dtype", "fp", "guard", "inband", "key", "oob", "op", "outcome",
+                 "owner", "shape", "template", "ticket")
+
+    def __init__(self, guard: Guard, fp: Fingerprint, template: np.ndarray,
+                 owner: Any = None) -> None:
+        self.guard, self.fp, self.template, self.owner = guard, fp, template, owner
+        self.key = descriptor_key(template)
+        self.cseq = self.oob = 0
+        self.outcome: bool | None = None
+        self.inband = True
+        self.ticket: Ticket | None = None
+        self.shape: Any = None
+        self.dtype: Any = None
+        self.op: Any = None
+
+    def watch(self) -> None:
+        """Read the control streams while the transport waits for the peers (Guard.watch)."""
+        self.guard.watch(self)
+
+    def disagree(self, rows: list[list[int]]) -> None:
+        """The ranks' descriptors differ (rows of [key, cseq, oob]): Guard.disagree raises."""
+        self.guard.disagree(rows, self)
 
 
 class Guard(Streams):
@@ -137,6 +210,8 @@ class Guard(Streams):
         self._slot_tmpl: list[np.ndarray | None] = []
         self._next_slot = 0
         self._unposted: Ticket | None = None  # staged, its descriptor not sent yet
+        # in-band (see the module): ``_loud`` until settled() found nothing awaiting a peer
+        self._loud = True
         if mode != "off" and self.size > 1:
             self._control = transport.split(0, transport.rank)
             self._channel = Channel(self._control)
@@ -232,6 +307,7 @@ class Guard(Streams):
         if ticket is not self._unposted:
             return ticket
         self._unposted = None
+        self._loud = True
         k = ticket.slot
         self._slot_start[k]()
         self._colls_issued = n = ticket.n
@@ -258,22 +334,103 @@ class Guard(Streams):
         if ticket.record >= 0 and self.recorder is not None:
             self.recorder.unpush(ticket.record)
 
-    def watch(self) -> None:
+    def watch(self, call: Call | None = None) -> None:
         """Read the control streams while the transport blocks inside an operation's issue.
 
         The shared-memory all-reduce waits for its peers inside ``all_reduce`` (it
         returns a finished Work), so a peer that is in another operation would only be
         found at the transport's deadline; the transport calls this every slice of that
-        wait instead (``watches_all_reduce``). It sends this rank's staged descriptor if
+        wait instead (``checks_all_reduce``). It sends this rank's staged descriptor if
         it is not out yet (the peers need it to see the disagreement), then reads every
         stream as a wait does: an abort, or a peer's descriptor that disagrees with the
-        collective this rank is in, raises here, on every rank within a slice.
+        collective this rank is in, raises here, on every rank within a slice. A ``call``
+        checked in-band (not announced: ``oob`` 0) is promoted as soon as any peer's
+        descriptor is here: that peer announced its operation, so it either set ``oob``
+        in its header (every rank promotes this call) or is in another operation (the
+        match raises).
         """
         if self._control is None:
             return
         if self._unposted is not None:
             self.post(self._unposted)
         self._scan(-1)
+        if call is not None and not call.oob:
+            for p in self._all:
+                if p.inbox or p.their_sends or p.their_recvs:
+                    self._promote(call)
+                    self._scan(-1)
+                    break
+
+    def settled(self) -> bool:
+        """Whether nothing of this guard awaits a peer: every descriptor it sent has been
+        matched and every one it received consumed (then an all_reduce may be checked
+        in-band). Cheap once true: ``_loud`` is set again by whatever sends or receives."""
+        if self._failed is not None or self._unposted is not None or self._control is None:
+            return False
+        for p in self._all:
+            if p.colls or p.sends or p.recvs or p.inbox or p.their_sends or p.their_recvs:
+                return False
+        self._loud = False
+        return True
+
+    def _promote(self, call: Call) -> Ticket:
+        """Announce ``call``, checked in-band until now, as any collective (see the module)."""
+        msg = call.template.copy()
+        msg[_MSG_SEQ] = call.owner.seq
+        msg[_MSG_CSEQ] = call.cseq
+        call.oob = 1
+        call.ticket = t = self.check(call.fp, message=msg)
+        return t
+
+    def finish(self, call: Call, work: Work) -> Work:
+        """The in-band ``call`` returned, but not plainly agreed (``outcome`` True: some
+        rank announced it; None: the transport checked nothing, the size took MPI's own
+        all-reduce; or this rank promoted it): announce it now, unless promoted already,
+        and return its Ticket; the wait matches it as any collective. Called before the
+        owner counts the call."""
+        t = call.ticket if call.ticket is not None else self._promote(call)
+        call.ticket, call.oob = None, 0
+        if call.outcome is None:
+            call.inband = False  # announce the next of its kind first
+        t.work = work
+        return t
+
+    def end(self, call: Call, error: BaseException) -> None:
+        """The in-band ``call`` raised. A CommError (a timeout, a mismatch) fails the
+        guard; a refusal before any communication (a bad buffer) leaves it as it was."""
+        t = call.ticket
+        call.ticket, call.oob = None, 0
+        if isinstance(error, CommError):
+            self._fail(str(error), "mismatch" if isinstance(error, CollectiveMismatchError)
+                       else "failed", -1, type(error), raise_now=False)
+        elif t is not None:
+            self.abandon(t, error)
+
+    def disagree(self, rows: list[list[int]], call: Call | None = None) -> None:
+        """The transport's header shows the ranks' descriptors differ (``rows``: every
+        rank's [key, cseq, oob]); every rank sees it, so every rank announces its
+        collective (``call``, unless announced already) and matches the peers' here,
+        which raises the mismatch naming the fields (up to 2 s for the descriptors;
+        failing that, the header's words)."""
+        if self._control is None:
+            raise CollectiveMismatchError(f"collective mismatch in group {self.group}: the "
+                                          f"transport's header gives {rows} per rank")
+        if self._unposted is not None:
+            self.post(self._unposted)
+        if call is not None and not call.oob:
+            self._promote(call)
+        n = self._colls_issued
+        mine = next((p.colls[-1] for p in self._all if p.colls), _NO_FP)
+        try:
+            self._drive(lambda: self._colls_matched(n), self._all, mine, -1, 2.0)
+        except CommTimeoutError:
+            self._failed = None
+        who = "; ".join(f"rank {k}: key {r[0]} collective #{r[1]}" for k, r in enumerate(rows))
+        self._fail(f"collective mismatch in group {self.group} at collective "
+                   f"#{rows[self.rank][1]} on rank {self.rank}: the ranks' descriptors differ "
+                   f"in the transport's header ({who}), and the control streams did not name "
+                   f"the fields within 2 s. Fix: {_HINT}", "mismatch", -1,
+                   CollectiveMismatchError)
 
     @property
     def checks(self) -> bool:
@@ -309,6 +466,7 @@ class Guard(Streams):
                if self.recorder is not None else -1)
         if self._control is None:
             return Ticket(self, fp, a, rec, None, 0)
+        self._loud = True
         inflight = self._inflight
         while inflight and inflight[0][0]():
             inflight.popleft()
@@ -434,6 +592,7 @@ class Guard(Streams):
                     p.coll_ok += 1
                     continue
                 p.inbox.append(buf.copy())
+                self._loud = True
                 self._restart(p)
             else:
                 self._pump(p)

@@ -20,12 +20,13 @@ from typing import Any, NoReturn
 import numpy as np
 
 from fuelspmd.comm.fingerprint import CSEQ, SEQ, Fingerprint, group_id
-from fuelspmd.comm.guard import Guard, Ticket
+from fuelspmd.comm.guard import Call, Guard, Ticket
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.transport import ReduceOp, Transport, Work
 
 __all__ = ["GuardedTransport", "GuardedWork"]
 
+_ndarray = np.ndarray
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
 _SEQ, _CSEQ = 2 + SEQ, 2 + CSEQ  # their slots in a control message (after sender, kind)
 
@@ -66,31 +67,49 @@ class GuardedTransport:
         self.seq = 0   # the next operation's number (every op counts)
         self.cseq = 0  # the next collective's number
         self._debug = mode == "debug"
-        self._cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
+        self._cache: dict[tuple[Any, ...], Call] = {}
         # all_reduce's entries again, under a shorter key: (shape, dtype, reduce op name)
-        self._ar_cache: dict[tuple[Any, ...], tuple[Fingerprint, np.ndarray]] = {}
-        # a transport whose all_reduce may block inside the call (the MPI transport's
-        # shared-memory path) takes the guard's watch, so a peer in another operation is
-        # found within a slice, not at the transport's deadline; asked of the class, which
-        # a wrapper forwarding attributes to such a transport does not inherit
-        watch = self.guard.watch
-        self._issue: Callable[[Any, ReduceOp], Work] = (
-            (lambda buf, op: transport.all_reduce(buf, op, watch))  # type: ignore[call-arg]
-            if getattr(type(transport), "watches_all_reduce", False) else transport.all_reduce)
+        self._ar_cache: dict[tuple[Any, ...], Call] = {}
+        # A transport whose all_reduce may block inside the call (the MPI transport's
+        # shared-memory path) takes a CallCheck: the guard reads its streams from there (a
+        # peer in another operation is found within a slice, not at the transport's
+        # deadline), and the header the ranks meet over carries the descriptor. Asked of
+        # the class, which a wrapper forwarding attributes to such a transport does not
+        # inherit. In default mode with no flight recorder such an all_reduce is checked
+        # in-band when the guard is settled (see .guard).
+        self._checks = bool(getattr(type(transport), "checks_all_reduce", False))
+        self._inband = (self._checks and mode == "default" and recorder is None
+                        and self.guard.checks)
+        # the all_reduce last checked in-band: the next of its kind skips the cache lookup
+        self._last = Call(self.guard, Fingerprint(0, "barrier", ()),
+                          Guard.message(Fingerprint(0, "barrier", ())), self)
 
     def _entry(self, op: str, buf: Any, reduce_op: str | None, root: int | None,
-               src: int | None, dst: int | None,
-               tag: int | None) -> tuple[Fingerprint, np.ndarray]:
-        """Return the cached (template fingerprint, template message) of this operation."""
+               src: int | None, dst: int | None, tag: int | None) -> Call:
+        """Return the cached :class:`Call` (template fingerprint and message) of this op."""
         key = (op, buf.shape, buf.dtype, reduce_op, root, src, dst, tag)
         hit = self._cache.get(key)
         if hit is None:  # once per distinct operation: str(dtype) alone costs ~1.5 us
             fp = Fingerprint(0, op, tuple(buf.shape), str(buf.dtype), reduce_op, root,
                              self.guard.group, src, dst, tag, 0)
-            hit = (fp, Guard.message(fp))
+            hit = Call(self.guard, fp, Guard.message(fp), self)
             if len(self._cache) < 4096:
                 self._cache[key] = hit
         return hit
+
+    def _issue(self, buf: Any, op: ReduceOp, call: Call) -> Work:
+        """The inner all_reduce of an announced call (``oob`` 1 in a header that carries it:
+        every rank then announces the call; see .guard)."""
+        if not self._checks:
+            return self.inner.all_reduce(buf, op)
+        call.oob, call.outcome = 1, None
+        try:
+            work = self.inner.all_reduce(buf, op, call)  # type: ignore[call-arg]
+        finally:
+            call.oob = 0
+        # whether the next of its kind may go in-band
+        call.inband = self._inband and call.outcome is not None
+        return work
 
     def _run(self, start: Callable[[], Work], op: str, buf: Any, result: Any = None,
              reduce_op: str | None = None, root: int | None = None, src: int | None = None,
@@ -107,8 +126,10 @@ class GuardedTransport:
             start()  # not an array: the transport raises its typed error for it
             raise RuntimeError(f"guarded {op}: the transport accepted a buffer of type "
                                f"{type(buf).__name__}, which has no shape and dtype")
-        fp, template = self._entry(op, buf, reduce_op, root, src, dst, tag)
+        e = self._entry(op, buf, reduce_op, root, src, dst, tag)
+        fp, template = e.fp, e.template
         seq, cseq = self.seq, self.cseq
+        e.cseq = cseq  # what an all_reduce's header carries (_issue)
         g = self.guard
         if self._debug:
             ticket = g.check(fp, message=self._filled(template, seq, cseq))
@@ -146,37 +167,62 @@ class GuardedTransport:
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place).
 
-        The hot path (a contiguous numpy array, an all_reduce of a shape, dtype and op
-        seen before, default or off mode, a free send slot) is :meth:`_run` written out,
-        with the descriptor posted before the issue: every call and closure it saves is
-        time a peer would wait.
+        The hot path, written out here (every bytecode of it runs with the caches cold
+        after a large reduction, and is time a peer waits): the kind of all_reduce checked
+        in-band last time, again, on a settled guard. It sends no control message: the
+        descriptor rides in the header of the transport's own call (see .guard).
         """
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
-        inner = self.inner
-        hit = None
-        if not self._debug and type(buf) is np.ndarray:
-            hit = self._ar_cache.get((buf.shape, buf.dtype, op._value_))
-        if hit is None:
-            out = self._run(lambda: self._issue(buf, op), "all_reduce", buf,
+        e = self._last
+        if (op is e.op and type(buf) is _ndarray and buf.dtype is e.dtype
+                and buf.shape == e.shape and e.inband and not self.guard._loud):
+            cseq = self.cseq
+            e.cseq, e.outcome = cseq, None
+            try:
+                work = self.inner.all_reduce(buf, op, e)  # type: ignore[call-arg]
+            except BaseException as x:
+                self.guard.end(e, x)
+                raise
+            if e.outcome is False and not e.oob:  # every rank agreed in the header
+                self.seq += 1
+                self.cseq = cseq + 1
+                return work
+            work = self.guard.finish(e, work)
+            self.seq += 1
+            self.cseq = cseq + 1
+            return work
+        return self._all_reduce(buf, op)
+
+    def _all_reduce(self, buf: Any, op: ReduceOp) -> Work:
+        """all_reduce beyond the hot path: the first of its kind, an unsettled guard, a
+        kind the transport does not check in-band, debug or off mode."""
+        e = (self._ar_cache.get((buf.shape, buf.dtype, op._value_))
+             if type(buf) is np.ndarray and not self._debug else None)
+        if e is None:
+            e = self._entry("all_reduce", buf, op._value_, None, None, None, None)
+            out = self._run(lambda: self._issue(buf, op, e), "all_reduce", buf,
                             buf if self._debug else None, op._value_)
             if not self._debug and type(buf) is np.ndarray and len(self._ar_cache) < 4096:
-                self._ar_cache[(buf.shape, buf.dtype, op._value_)] = self._entry(
-                    "all_reduce", buf, op._value_, None, None, None, None)
+                e.shape, e.dtype, e.op = buf.shape, buf.dtype, op
+                self._ar_cache[(buf.shape, buf.dtype, op._value_)] = e
             return out
         g = self.guard
         seq, cseq = self.seq, self.cseq
-        staged = g.stage(hit[0], hit[1], seq, cseq)
+        if e.inband and self._inband and g.settled():
+            self._last = e
+            return self.all_reduce(buf, op)
+        staged = g.stage(e.fp, e.template, seq, cseq)
         if staged is None:
             if g.checks:  # no free send slot: the general path
-                return self._run(lambda: self._issue(buf, op), "all_reduce", buf, None,
+                return self._run(lambda: self._issue(buf, op, e), "all_reduce", buf, None,
                                  op._value_)
-            work = inner.all_reduce(buf, op)  # off mode: record, check nothing
+            work = self.inner.all_reduce(buf, op)  # off mode: record, check nothing
             self.seq, self.cseq = seq + 1, cseq + 1
-            return _issued(g.note(hit[0], seq, cseq), work)
+            return _issued(g.note(e.fp, seq, cseq), work)
         if not buf.flags.c_contiguous:  # the transport refuses it: raise before announcing
             g.unstage(staged)
-            return self._run(lambda: self._issue(buf, op), "all_reduce", buf, None,
+            return self._run(lambda: self._issue(buf, op, e), "all_reduce", buf, None,
                              op._value_)
         # A contiguous array of a (shape, dtype, op) the transport accepted before: it
         # accepts it again, so the descriptor goes out first and reaches every peer before
@@ -184,10 +230,11 @@ class GuardedTransport:
         # already there (with the descriptor second, a rank descheduled between issue and
         # post left its peers to the slow path, and on a busy machine to a lost time slice)
         g.post(staged)
+        e.cseq = cseq
         try:
-            staged.work = self._issue(buf, op)
-        except BaseException as e:
-            g.abandon(staged, e)
+            staged.work = self._issue(buf, op, e)
+        except BaseException as x:
+            g.abandon(staged, x)
             raise
         self.seq, self.cseq = seq + 1, cseq + 1
         return staged

@@ -170,6 +170,7 @@ class Streams:
     _inflight: deque[tuple[Callable[[], bool], np.ndarray]]
     _failed: str | None
     _failed_kind: type[Exception]
+    _loud: bool  # something may await a peer (see Guard.settled)
     transport: Transport
     trace_dir: str | os.PathLike[str] | None
 
@@ -236,6 +237,7 @@ class Streams:
         ring, bufs = p.ring, p.bufs
         head = p.head
         while ring[head].Test():
+            self._loud = True
             p.inbox.append(bufs[head].copy())
             ring[head].Start()
             head = (head + 1) % _DEPTH
@@ -386,6 +388,7 @@ class Streams:
 
     def _fail(self, text: str, state: str, rec: int, kind: type[Exception],
               *, raise_now: bool = True) -> None:
+        self._loud = True
         if self._failed is None:
             self._failed, self._failed_kind = text, kind
             if rec >= 0 and self.recorder is not None:

@@ -34,17 +34,16 @@ def _total(size: int) -> float:
 def test_a_dead_leaf_is_donated_and_the_sums_are_right(world: fs.World) -> None:
     comm = world.comm
     x = fs.tensor(np.full(N, world.rank + 1.0, np.float32))
-    addr = x.node.buffer.__array_interface__["data"][0]
-    # where the transport reduces this size in shared memory (FUELSPMD_ALL_REDUCE=shm), the
-    # first step moves the leaf into a lent area, and it stays there
-    lend = getattr(comm.transport, "window_buffer", None)
-    placed = lend is not None and lend(N * 4, np.dtype(np.float32)) is not None
-    for step in range(3):
+    addrs = [x.node.buffer.__array_interface__["data"][0]]
+    for _ in range(3):
         x = comm.all_reduce(x)
         x.realize()
-        if placed and step == 0:
-            addr = x.node.buffer.__array_interface__["data"][0]
-        assert x.node.buffer.__array_interface__["data"][0] == addr  # no copy was made
+        addrs.append(x.node.buffer.__array_interface__["data"][0])
+    # no copy was made: where the transport reduces this size in shared memory
+    # (FUELSPMD_ALL_REDUCE=shm), the leaf moves once into a lent area (made on every rank
+    # at the end of the first all_reduce of its size, which asked for it) and stays there
+    moves = [k for k in range(1, len(addrs)) if addrs[k] != addrs[k - 1]]
+    assert moves in ([], [1], [2]), addrs
     # three sums: the first gives the total of the ranks' values, each next one x size
     want = _total(world.size) * world.size ** 2
     np.testing.assert_array_equal(x.numpy(), np.full(N, want, np.float32))

@@ -100,7 +100,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.errors import CommTimeoutError
-from fuelspmd.transport import ReduceOp
+from fuelspmd.transport import CallCheck, ReduceOp
 from fuelspmd_mpi._shm_lent import LentAreas
 from fuelspmd_mpi._shm_window import (
     HEADER,
@@ -120,9 +120,10 @@ __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
 SHM_DIR = "/dev/shm"  # where MPICH and Open MPI put the pages of a shared window
 # int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
-# pipelined handshakes, 3-9 the call's header: count, dtype, op, call number (3-6, checked
-# against the peers'), the lent area its input lies in (0: none), whether it asks for a
-# lent area, whether it lost its core lately
+# pipelined handshakes, 3-12 the call's header: count, dtype, op, call number, the
+# caller's key and cseq (3-8, checked against the peers'; see CallCheck), the caller's oob,
+# the lent area its input lies in (0: none), whether it asks for a lent area, whether it
+# lost its core lately
 _FLAG_WORDS = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
@@ -237,7 +238,7 @@ class ShmAllReduce:
         """Bytes of window this rank holds (its segments, the flag line excluded)."""
         return sum(self._windows) + self._lent.nbytes + self._pipe_bytes
 
-    def _sync(self, win: Any, seq: int, watch: Callable[[], None] | None = None) -> None:
+    def _sync(self, win: Any, seq: int, check: CallCheck | None = None) -> None:
         """Wait until every rank reached this phase boundary: a flag handshake in shared
         memory (each rank raises its counter, then polls everyone's), fenced by
         ``Win.Sync`` (a memory barrier) of ``win`` on both sides.
@@ -249,13 +250,13 @@ class ShmAllReduce:
         """
         win.Sync()
         self._syncs += 1
-        self._raise_and_wait(0, self._syncs, seq, watch)
+        self._raise_and_wait(0, self._syncs, seq, check)
         win.Sync()
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
-                        watch: Callable[[], None] | None = None) -> None:
+                        check: CallCheck | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
-        calling ``watch`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`).
+        calling ``check.watch()`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`).
 
         ``Win.Sync`` of the flag window before raising the flag and after seeing the others'
         is the memory barrier around the phase: MPI_Win_sync is a full processor memory
@@ -276,8 +277,8 @@ class ShmAllReduce:
                 now = clock()
                 if now - began > self.timeout:
                     raise CommTimeoutError(self._late(seq, self.timeout))
-                if watch is not None and now > watched:
-                    watch()
+                if check is not None and now > watched:
+                    check.watch()
                     watched = clock() + WATCH_S
                 if now - start > self._spin_s:
                     self._waited += now - start
@@ -364,7 +365,7 @@ class ShmAllReduce:
             self._lent.grow(cls, self.cap_bytes - self.allocated_bytes - copy_in)
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
-                   watch: Callable[[], None] | None = None) -> bool:
+                   check: CallCheck | None = None) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
 
         Blocking: it returns when the result is in ``buf`` on this rank (the caller hands
@@ -374,10 +375,13 @@ class ShmAllReduce:
         the headers against each other and, all reading the same headers, take the same
         path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
 
-        ``watch``, when given, is called every ``WATCH_S`` while this rank waits at that
-        first sync (the layer above reads its own streams there: a peer that is in another
-        operation never comes, and the collective guard raises the mismatch within a
-        slice instead of at this wait's deadline).
+        ``check`` (:class:`~fuelspmd.transport.CallCheck`), when given, rides on that
+        header: its ``key`` and ``cseq`` are checked with the rest (ranks whose words
+        differ call ``check.disagree``), its ``oob`` is read from every rank into
+        ``check.outcome``, and ``check.watch()`` is called every ``WATCH_S`` while this
+        rank waits at that first sync (the collective guard reads its own streams there:
+        a peer that is in another operation never comes, and the guard raises the
+        mismatch within a slice instead of at this wait's deadline).
         """
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
@@ -400,22 +404,33 @@ class ShmAllReduce:
         if copied:  # our own slice is read from the caller's buffer, not copied in
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
-        self._flags[r][3:10] = (count, dt.num, OP_CODE[op], self._calls, zero_copy, want, slow)
-        self._sync(self._flag_win, seq, watch)
-        heads = [f[3:10].tolist() for f in self._flags]  # each line read once, as ints
-        check_headers(heads, r, seq)
-        placed = [h[4] for h in heads]
-        want = any(h[5] for h in heads)
+        self._flags[r][3:13] = (
+            (count, dt.num, OP_CODE[op], self._calls, 0, 0, 0, zero_copy, want, slow)
+            if check is None else
+            (count, dt.num, OP_CODE[op], self._calls, check.key, check.cseq, check.oob,
+             zero_copy, want, slow))
+        self._sync(self._flag_win, seq, check)
+        heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
+        mine = heads[r][:6]
+        oob = 0
+        for h in heads:
+            if h[:6] != mine:
+                check_headers(heads, r, seq, check)
+            oob |= h[6]
+        if check is not None:
+            check.outcome = oob != 0
+        placed = [h[7] for h in heads]
+        want = any(h[8] for h in heads)
         if all(placed):  # each rank's input in one of its lent areas (not always the same)
             segs, win = self._lent.segments(placed, nbytes, dt)
             self._reduce_in_window(segs, bounds, op, win, seq)
-        elif pipe and not any(h[6] for h in heads) and self._pipe() is not None:
+        elif pipe and not any(h[9] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
             # every rank copied in before the sync when the window existed and none was
             # placed or stayed ready for the pipelined path; otherwise those that did not
             # copy in now, and all sync once more
-            ready = w is not None and not any(h[4] or (pipe and not h[6]) for h in heads)
+            ready = w is not None and not any(h[7] or (pipe and not h[9]) for h in heads)
             if w is None:
                 w = self.window(nbytes)
                 if w is None:  # beyond the cap: every rank decides the same, MPI reduces it

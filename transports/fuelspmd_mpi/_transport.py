@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from fuelspmd.errors import CollectiveMismatchError, ConfigError
-from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd.transport import DONE, CallCheck, ReduceOp, Work, check_buffers, check_peer
 from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, ENV, RUNS, Route, digest, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
@@ -65,9 +65,10 @@ class MPITransport:
     """The Transport of one MPI communicator (COMM_WORLD, or a split of it)."""
 
     name = "mpi"
-    # all_reduce takes ``watch``: the shared-memory path blocks inside the call, and a
-    # guard over this transport reads its control streams from there (see all_reduce)
-    watches_all_reduce = True
+    # all_reduce takes a CallCheck: the shared-memory path blocks inside the call, where a
+    # guard over this transport reads its control streams, and checks its descriptor in
+    # the header the ranks exchange anyway (see all_reduce)
+    checks_all_reduce = True
 
     def __init__(self, comm: Any, *, MPI: Any, timeout: float, label: str = "world",
                  types: Types | None = None) -> None:
@@ -163,14 +164,14 @@ class MPITransport:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def all_reduce(self, buf: Any, op: ReduceOp | str,
-                   watch: Callable[[], None] | None = None) -> Work:
+    def all_reduce(self, buf: Any, op: ReduceOp | str, check: CallCheck | None = None) -> Work:
         """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
 
-        Sizes that :meth:`set_all_reduce_policy` put on the shared-memory path go through
-        it instead and are complete when this returns (the Work is already done); while
-        such a call waits for its peers it calls ``watch`` every 50 ms (the collective
-        guard passes its own: ``watches_all_reduce``).
+        Sizes that :meth:`set_all_reduce_policy` put on the shared-memory or hierarchical
+        path go through it instead and are complete when this returns (the Work is
+        already done); while such a call waits for its peers it calls ``check.watch()``
+        every 50 ms, and the shared-memory path checks ``check``'s words in its header
+        (:class:`~fuelspmd.transport.CallCheck`; the collective guard passes one).
         """
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
@@ -193,10 +194,11 @@ class MPITransport:
             algo = route.algorithm(buf.nbytes)
             shm, hier = self._shm, self._hier
             if algo == "shm" and shm is not None:
-                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq, watch):
+                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq, check):
                     return DONE
             elif algo == "hierarchical" and hier is not None:
-                hier.all_reduce(buf, plan, seq, self.size, watch)
+                hier.all_reduce(buf, plan, seq, self.size,
+                                None if check is None else check.watch)
                 return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:

@@ -61,7 +61,9 @@ from the headers it read:
   promote its collective there, and the match raises the mismatch on both sides. A peer
   that is only late sends nothing, and nothing happens.
 
-Measured: ``fuelspmd bench guard`` below.
+With a flight recorder every operation is announced (the in-band path records nothing).
+Measured, ``fuelspmd bench guard`` at 1 MiB on 2 ranks: 1.01x the unguarded all_reduce
+in-band, 1.11-1.14x announced (docs/reliability.md).
 
 ``debug`` mode also compares a collective's descriptors *before* issuing it (a mismatched
 collective never reaches the transport) and a CRC of every result that must be identical

@@ -43,8 +43,9 @@ class Op:
     effectful: bool = False
     # collectives: ``start(backend, attrs, *arrays, donate=)`` issues the op and returns an
     # object whose ``finish()`` waits and gives the value, so the planner can put steps
-    # between the two; ``bucket(backend, attrs, arrays)`` starts several nodes of equal
-    # attrs as one (its finish gives the list), in buckets of ``bucket_bytes(attrs)`` bytes
+    # between the two; ``bucket(backend, attrs, arrays, shapes=None, total=0)`` starts
+    # several nodes of equal attrs as one (its finish gives the list; the caller may pass
+    # the nodes' shapes and total elements), in buckets of ``bucket_bytes(attrs)`` bytes
     start: Callable[..., Any] | None = None
     bucket: Callable[..., Any] | None = None
     bucket_bytes: Callable[[Attrs], int] | None = None

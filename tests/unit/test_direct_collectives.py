@@ -17,7 +17,7 @@ import pytest
 import fuelspmd as fs
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.graph import default_executor
-from fuelspmd.graph.executor import _direct
+from fuelspmd.graph.executor import _direct, _one_bucket
 from fuelspmd.graph.plan import joins_bucket, take_bucket
 
 pytestmark = pytest.mark.timeout(60)
@@ -163,6 +163,30 @@ def test_take_bucket_applies_the_rule_to_the_end_of_the_todo_list() -> None:
     ns = [exact.all_reduce(x).node for x in
           (fs.tensor(np.ones(2), device="cpu:0"), fs.tensor(np.ones(1), device="cpu:0"))]
     assert take_bucket(ns[0], [ns[1]]) == ns
+
+
+def test_one_bucket_takes_a_strict_chain_of_alike_all_reduces_that_fits() -> None:
+    """The realise's one-pass bucket: every target one communicator's all_reduce of one
+    dtype, each ordered after the one before it, all within the bucket; anything else
+    (another op, a repeated node, another order, a computed input, too many bytes) is
+    left to the general direct path."""
+    comm = DeviceGroup.cpu(2, bucket_bytes=200).comms[0]
+    t = [fs.tensor(np.ones(k, np.float64), device="cpu:0") for k in (10, 7, 9, 3)]
+    a, b, c = comm.all_reduce(t[0]), comm.all_reduce(t[1]), comm.all_reduce(t[3])
+    found = _one_bucket([a.node, b.node, c.node])
+    assert found is not None
+    bufs, shapes, total = found
+    assert all(x is y.node.buffer for x, y in zip(bufs, (t[0], t[1], t[3])))
+    assert shapes == [(10,), (7,), (3,)] and total == 20
+    assert _one_bucket([a.node, c.node]) is None  # c is ordered after b, not a
+    assert _one_bucket([b.node, a.node]) is None
+    assert _one_bucket([a.node, b.node, a.node]) is None
+    assert _one_bucket([a.node, b.node, c.node, comm.all_reduce(t[2]).node]) is None  # 232 B
+    d = comm.all_reduce(t[0], "max")
+    assert _one_bucket([d.node, comm.all_reduce(t[1]).node]) is None
+    other = DeviceGroup.cpu(2, bucket_bytes=200).comms[0]
+    x = other.all_reduce(t[0])
+    assert _one_bucket([x.node, other.all_reduce(t[1] * 2.0).node]) is None
 
 
 def test_two_communicators_realised_together() -> None:

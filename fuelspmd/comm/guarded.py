@@ -191,7 +191,7 @@ class GuardedTransport:
                 self.seq += 1
                 self.cseq = cseq + 1
                 return work
-            work = self.guard.finish(e, work)
+            work = self.guard.finish(e, work)  # announced: matched as any collective
             self.seq += 1
             self.cseq = cseq + 1
             return work
@@ -213,6 +213,10 @@ class GuardedTransport:
         g = self.guard
         seq, cseq = self.seq, self.cseq
         if e.inband and self._inband and g.settled():
+            # the hot path, surely: the memo takes this buffer's own dtype object and shape
+            # (a dtype equal to the cached one need not be the same object), and settled()
+            # cleared ``_loud``
+            e.shape, e.dtype = buf.shape, buf.dtype
             self._last = e
             return self.all_reduce(buf, op)
         staged = g.stage(e.fp, e.template, seq, cseq)

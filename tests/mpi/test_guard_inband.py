@@ -97,6 +97,14 @@ def test_a_repeated_all_reduce_sends_no_control_message(world: Any) -> None:
             big(g, i)
         assert g.guard._colls_issued == announced
         assert g.cseq == 300 and g.guard.settled()
+        # an equal dtype that is another object (numpy makes one per byte-order request)
+        other = np.dtype(np.float32).newbyteorder("<")
+        assert other == np.float32 and other is not np.dtype(np.float32)
+        for i in range(20):
+            b = np.full(N, float(g.rank + i), other if i % 2 else np.float32)
+            g.all_reduce(b, "sum").wait()
+            assert b[0] == sum(range(g.size)) + g.size * i
+        assert g.guard._colls_issued == announced
 
 
 def test_announced_and_in_band_calls_mixed_stay_in_step(world: Any) -> None:

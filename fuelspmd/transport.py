@@ -118,13 +118,16 @@ class CallCheck(Protocol):
     ``[key, cseq, oob]``, which raises. A path with no such meeting (MPI's own
     all-reduce) leaves ``outcome`` None: nothing was checked. Every rank reads the same
     headers, so every rank learns the same thing: that is what lets the guard skip its own
-    control messages for an operation so checked (:mod:`fuelspmd.comm.guard`).
+    control messages for an operation so checked (:mod:`fuelspmd.comm.guard`). A wait for
+    the peers there ends at ``timeout`` seconds if that is before the transport's own
+    deadline (the guard's deadline holds in-band too).
     """
 
     key: int
     cseq: int
     oob: int
     outcome: bool | None
+    timeout: float
 
     def watch(self) -> None: ...
     def disagree(self, rows: list[list[int]]) -> None: ...

@@ -154,11 +154,12 @@ class Call:
     """
 
     __slots__ = ("cseq", "dtype", "fp", "guard", "inband", "key", "oob", "op", "outcome",
-                 "owner", "shape", "template", "ticket")
+                 "owner", "shape", "template", "ticket", "timeout")
 
     def __init__(self, guard: Guard, fp: Fingerprint, template: np.ndarray,
                  owner: Any = None) -> None:
         self.guard, self.fp, self.template, self.owner = guard, fp, template, owner
+        self.timeout = guard.timeout  # the guard's deadline, for the transport's wait
         self.key = descriptor_key(template)
         self.cseq = self.oob = 0
         self.outcome: bool | None = None

@@ -12,6 +12,7 @@ operations, every rank raising within 5 s and naming the field and the ranks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +38,7 @@ def world() -> Iterator[Any]:
 
 
 @contextmanager
-def shm_guard(world: Any) -> Iterator[GuardedTransport]:
+def shm_guard(world: Any, timeout: float = GUARD_TIMEOUT) -> Iterator[GuardedTransport]:
     """A default-mode guard with no flight recorder (as ``fs.init()`` builds it) over a
     fresh split whose all_reduce runs the shared-memory path; finalized after."""
     t = world.split(0, world.rank)
@@ -45,7 +46,7 @@ def shm_guard(world: Any) -> Iterator[GuardedTransport]:
     try:
         algo = "shm" if world.size > 1 else "mpi"
         assert t.set_all_reduce_policy(algorithm=algo) == algo
-        g = GuardedTransport(t, timeout=GUARD_TIMEOUT)
+        g = GuardedTransport(t, timeout=timeout)
         yield g
     finally:
         if g is not None:
@@ -172,3 +173,29 @@ def test_a_skipped_send_or_recv_before_an_in_band_call_raises_everywhere(
             big(g, i)
         every = outcome(world, lambda: _skip(g, case))
     assert_all_raised(every, "rank 0", "rank 1", "recv" if case == "skip_send" else "send")
+
+
+def test_a_rank_that_never_comes_to_an_in_band_call_times_out_naming_it(world: Any) -> None:
+    """A rank stuck in compute past the guard's deadline: the others, waiting in the
+    transport's header sync, give up at the guard's deadline (1.5 s here, not the
+    transport's 20 s) with a CommTimeoutError naming it."""
+    if world.size < 2:
+        pytest.skip("a missing rank needs two")
+    bad = world.size - 1
+    with shm_guard(world, timeout=1.5) as g:
+        for i in range(3):
+            big(g, i)
+
+        def step() -> None:
+            if g.rank == bad:
+                time.sleep(2.5)
+            else:
+                big(g, 3)
+
+        every = outcome(world, step)
+    for rank, (kind, took, text) in enumerate(every):
+        if rank == bad:
+            assert kind == "none"
+        else:
+            assert kind == "CommTimeoutError", text
+            assert 1.4 < took < 5.0 and f"[{bad}]" in text, (took, text)

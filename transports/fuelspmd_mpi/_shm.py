@@ -256,7 +256,9 @@ class ShmAllReduce:
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: CallCheck | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
-        calling ``check.watch()`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`).
+        calling ``check.watch()`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`),
+        until the transport's deadline or ``check.timeout`` if that is sooner; the
+        CommTimeoutError names the ranks whose flag never rose.
 
         ``Win.Sync`` of the flag window before raising the flag and after seeing the others'
         is the memory barrier around the phase: MPI_Win_sync is a full processor memory
@@ -268,6 +270,7 @@ class ShmAllReduce:
         clock = time.monotonic
         began = start = clock()  # the deadline's start; the current spin's
         watched = began + WATCH_S
+        limit = self.timeout if check is None else min(self.timeout, check.timeout)
         spins = 0
         while True:
             if all(f[slot] >= k for f in flags):
@@ -275,8 +278,10 @@ class ShmAllReduce:
             spins += 1
             if spins & 63 == 0:
                 now = clock()
-                if now - began > self.timeout:
-                    raise CommTimeoutError(self._late(seq, self.timeout))
+                if now - began > limit:
+                    missing = [j for j, f in enumerate(flags) if f[slot] < k]
+                    raise CommTimeoutError(f"{self._late(seq, limit)} (rank(s) {missing} of "
+                                           f"the group never reached it)")
                 if check is not None and now > watched:
                     check.watch()
                     watched = clock() + WATCH_S

@@ -108,6 +108,17 @@ def assert_all_raised(every: list[tuple[str, float, str]], *names: str) -> None:
             assert name in text, f"rank {rank}: {name!r} not in: {text}"
 
 
+def assert_timed_out(every: list[tuple[str, float, str]], bad: int) -> None:
+    """Rank ``bad`` (stuck past a 1.5 s deadline) raised nothing; every other rank raised
+    CommTimeoutError after the deadline, within 5 s, naming it."""
+    for rank, (kind, took, text) in enumerate(every):
+        if rank == bad:
+            assert kind == "none"
+        else:
+            assert kind == "CommTimeoutError", text
+            assert 1.4 < took < 5.0 and f"[{bad}]" in text, (took, text)
+
+
 def test_good_ops_match_numpy(gt: GuardedTransport) -> None:
     good_ops(gt, 600)
     assert gt.cseq == 600
@@ -306,12 +317,7 @@ def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: A
         every = outcome(world, step)
     finally:
         g.close()
-    for rank, (kind, took, text) in enumerate(every):
-        if rank == bad:
-            assert kind == "none"
-        else:
-            assert kind == "CommTimeoutError", text
-            assert 1.4 < took < 5.0 and f"[{bad}]" in text, (took, text)
+    assert_timed_out(every, bad)
     if world.rank == 0:
         assert sorted(p.name for p in Path(where).glob("rank*.json")) == sorted(
             f"rank{r}.json" for r in range(world.size))

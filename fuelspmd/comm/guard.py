@@ -404,8 +404,9 @@ class Guard(Streams):
         t = call.ticket
         call.ticket, call.oob = None, 0
         if isinstance(error, CommError):
-            self._fail(str(error), "mismatch" if isinstance(error, CollectiveMismatchError)
-                       else "failed", -1, type(error), raise_now=False)
+            state = ("mismatch" if isinstance(error, CollectiveMismatchError) else
+                     "timeout" if isinstance(error, CommTimeoutError) else "failed")
+            self._fail(str(error), state, -1, type(error), raise_now=False)
         elif t is not None:
             self.abandon(t, error)
 

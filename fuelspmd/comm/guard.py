@@ -157,7 +157,7 @@ class Call:
                  "owner", "shape", "template", "ticket", "timeout")
 
     def __init__(self, guard: Guard, fp: Fingerprint, template: np.ndarray,
-                 owner: Any = None) -> None:
+                 owner: Any) -> None:
         self.guard, self.fp, self.template, self.owner = guard, fp, template, owner
         self.timeout = guard.timeout  # the guard's deadline, for the transport's wait
         self.key = descriptor_key(template)

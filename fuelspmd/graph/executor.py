@@ -242,8 +242,8 @@ def _one_bucket(targets: list[Node]) -> tuple[list[Any], list[Any], int] | None:
     fit its bucket; else None (:func:`_direct` and the loop of :func:`_run_direct` take
     them). The pass replaces the realise's check for repeated nodes, the chain walk, the
     loop's bucket walk and the bucket's walks over its members for shapes and sizes
-    (measured, 256 members right after 256 raw all_reduces: bucketed/raw 0.482-0.495
-    against 0.491-0.539 interleaved)."""
+    (measured, ``fuelspmd bench bucketing`` at 2 ranks, this and the tree before it
+    alternately: 0.454-0.484 of the raw mpi4py time against 0.487-0.518)."""
     head = targets[0]
     op = head.op
     if op.bucket is None or op.bucket_bytes is None:

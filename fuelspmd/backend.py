@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -29,7 +30,8 @@ from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import DeviceError, DTypeError
 
-__all__ = ["Backend", "Device", "cuda_device_count", "device", "get_backend", "to_host", "transfer"]
+__all__ = ["Backend", "Device", "Spares", "cuda_device_count", "device", "get_backend", "to_host",
+           "tracked", "transfer"]
 
 _KINDS = ("cpu", "cuda", "strict")
 
@@ -222,3 +224,60 @@ def transfer(arr: Any, src: Device, dst: Device) -> Any:
     if src.kind == "cuda" and dst.kind == "cuda":
         return _gpu_to_gpu(dst_backend.lib, arr, dst.index)
     return dst_backend.from_host(get_backend(src.kind).to_host(arr), dst)
+
+
+def tracked(memory: np.ndarray) -> np.ndarray:
+    """An array of its own (uint8) over ``memory``, from which every view of it derives.
+
+    numpy collapses a view's base to the first array that owns its data or whose base is
+    not an array; this one's base is a memoryview, so every view made from it (sliced,
+    reshaped, viewed as another dtype) has it as its base, and a weak reference to it is
+    alive exactly while some view of the memory is. That is how a pool knows, without
+    reference counts, that nothing refers to a buffer it lent.
+    """
+    return np.frombuffer(memoryview(memory), np.uint8)
+
+
+class Spares:
+    """Host buffers handed out again once nothing refers to them.
+
+    Fresh memory costs a page fault per 4 KiB, as much as the copy or reduction that
+    fills it, and a training loop asks for the same sizes step after step. Each buffer is
+    handed out as a view of a :func:`tracked` area, so the weak reference kept here tells
+    exactly when every view of it is gone. A step may hold several at once (the buckets of
+    its gradients, each result a view of its bucket until the optimiser has read it), so
+    each (shape, dtype) keeps up to ``per_key`` of them, for the ``keys`` latest keys;
+    buffers under ``min_bytes`` are not kept (malloc hands back warm memory anyway).
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 18, keys: int = 4, per_key: int = 16) -> None:
+        self.min_bytes, self.keys, self.per_key = min_bytes, keys, per_key
+        self._pools: dict[tuple[Any, ...], list[list[Any]]] = {}  # [memory, ref or None]
+
+    def take(self, shape: Shape, dt: Any) -> np.ndarray:
+        """A buffer of ``shape`` and ``dt`` that nothing else refers to."""
+        shape, dt = tuple(shape), np.dtype(dt)
+        key = (shape, dt)
+        pool = self._pools.get(key)
+        for entry in pool or ():
+            if entry[1] is None or entry[1]() is None:
+                return self._lend(entry, shape, dt)
+        mem = np.empty(shape, dt)
+        if mem.nbytes < self.min_bytes:
+            return mem
+        if pool is None:
+            pool = self._pools[key] = []
+            while len(self._pools) > self.keys:
+                del self._pools[next(iter(self._pools))]
+        if len(pool) >= self.per_key:
+            return mem
+        entry = [mem, None]
+        pool.append(entry)
+        return self._lend(entry, shape, dt)
+
+    @staticmethod
+    def _lend(entry: list[Any], shape: Shape, dt: np.dtype) -> np.ndarray:
+        area = tracked(entry[0])
+        entry[1] = weakref.ref(area)
+        return area.view(dt).reshape(shape)
+

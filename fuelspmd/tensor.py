@@ -29,7 +29,7 @@ from fuelspmd.dtypes import (
     to_numpy,
 )
 from fuelspmd.dtypes import dtype as as_dtype
-from fuelspmd.errors import ShapeError
+from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.graph import build as B
 from fuelspmd.graph.node import Node, canonical
 
@@ -119,6 +119,31 @@ class Tensor:
 
     def __bool__(self) -> bool:
         return bool(self.item())
+
+    def donate(self) -> Tensor:
+        """Give this tensor's buffer to the graph; return the tensor.
+
+        The next realise that reads it may write the result into that buffer (an in-place
+        collective such as ``x = comm.all_reduce(x.donate())`` then copies nothing, as
+        ``MPI_Allreduce(MPI_IN_PLACE)`` does), and after that realise the tensor has no
+        value: using it raises ConfigError. The caller's array the tensor was made from
+        (``fs.tensor(arr)`` does not copy) may be overwritten too. Without ``donate`` the
+        graph never writes a buffer it did not allocate. An unrealised tensor's buffer is
+        the graph's already; donating one changes nothing.
+        """
+        node = self.node
+        if node.buffer is None:
+            graph.node.check_live(node)
+            return self
+        buf = node.buffer
+        flags = getattr(buf, "flags", None)  # numpy and cupy arrays; array-api-strict's none
+        if flags is None or not flags.c_contiguous or not getattr(flags, "writeable", True):
+            raise ConfigError(f"donate(): the tensor's buffer ({type(buf).__name__} "
+                              f"{node.shape}) is not a writable C-contiguous numpy or cupy "
+                              f"array, so the graph could not write it; donate a copy "
+                              f"(fs.tensor(np.ascontiguousarray(arr)))")
+        node.donated = True
+        return self
 
     def to(self, device: Device | str) -> Tensor:
         """This tensor on ``device`` (a graph node; DLPack between host libraries)."""

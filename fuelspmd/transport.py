@@ -20,6 +20,37 @@ all_to_all         n * size            n * size            recv block r = send b
                                                            ``rank`` of rank r
 broadcast          buf (n), in place   -                   buf = buf of root
 =================  ==================  ==================  ==============================
+
+Besides the methods of the protocol, a transport states ``tag_bound`` (the largest tag its
+``send`` and ``recv`` take) and, in ``capabilities``, what else it offers. Each capability
+is one documented name with its optional methods; code above this layer asks
+``"name" in transport.capabilities`` and never probes for attributes:
+
+=============  ========================================================================
+capability     methods and contract
+=============  ========================================================================
+``checked``    ``all_reduce_checked(buf, op, check) -> Work``: an all_reduce whose ranks
+               first compare ``check.words`` where they meet anyway (a header, or one
+               fixed-size exchange that may carry a small buffer too): no data moves
+               unless ``check.agrees(rows)`` holds for every rank's words, else every
+               rank raises :class:`Disagreement` with the same rows. While it waits it
+               calls ``check.watch()`` every :data:`WATCH_S`, and gives up at
+               ``check.timeout``.
+``probe``      ``probe(peer, tag) -> int | None``: the rank of a peer (``peer``, or any
+               when None) whose message with ``tag`` has arrived, without receiving it.
+``lend``       ``lend(nbytes, dtype) -> ndarray | None``: a free area of the transport's
+               own memory (uint8) where an all_reduce input of that size reduces fastest,
+               or None; ``lent(buf) -> bool``: whether ``buf`` lies in such an area.
+``shared``     ``all_reduce_shared(buf, op) -> array``: the reduction as one read-only
+               array that every rank of the (in-process) group receives.
+``route``      ``set_all_reduce_policy(**how) -> str`` (collective),
+               ``all_reduce_algorithm(nbytes, dtype=None) -> str`` and
+               ``explain_all_reduce(nbytes, dtype=None) -> str``: how the transport
+               chooses its all-reduce algorithm per size, and why.
+``finalize``   ``finalize() -> None``: release what the transport holds (collective).
+``device``     ``device: Device``: the device whose buffers the transport takes (a
+               transport bound to one GPU, as NCCL's is).
+=============  ========================================================================
 """
 
 from __future__ import annotations
@@ -28,6 +59,7 @@ import enum
 import os
 import sys
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
@@ -46,24 +78,33 @@ from fuelspmd.errors import (
 )
 
 __all__ = [
+    "CAPABILITIES",
     "ENTRY_POINT_GROUP",
-    "CallCheck",
+    "WATCH_S",
+    "Check",
+    "Disagreement",
     "DoneWork",
     "ReduceOp",
     "SelfTransport",
     "Transport",
     "TransportPlugin",
     "Work",
+    "agree",
     "check_buffers",
     "check_peer",
+    "disagreement",
     "find_transports",
-    "lend",
-    "lent",
     "load_plugin",
     "poll_until",
 ]
 
 ENTRY_POINT_GROUP = "fuelspmd.transports"
+CAPABILITIES = frozenset({"checked", "probe", "lend", "shared", "route", "finalize",
+                          "device"})
+# How often a wait inside a transport call (or the guard's own) lets the caller look
+# around (``Check.watch``): the slice within which a disagreement between ranks waiting in
+# different places is found.
+WATCH_S = 0.05
 
 
 class ReduceOp(enum.Enum):
@@ -104,33 +145,29 @@ class Work(Protocol):
         ...
 
 
-class CallCheck(Protocol):
-    """A caller's check riding on an all_reduce that meets its peers inside the call.
+class Check:
+    """What a caller asks a ``checked`` transport to compare before any data moves.
 
-    A transport whose class says ``checks_all_reduce = True`` takes one as all_reduce's
-    third argument. While the call waits for its peers it calls ``watch()`` every slice
-    (the collective guard reads its control streams there: a peer in another operation
-    never comes). Where the peers meet over a header they all read (the MPI transport's
-    shared-memory path), the transport carries ``key``, ``cseq`` and ``oob`` in it and,
-    after the meeting, either sets ``outcome`` (False: every rank's ``key`` and ``cseq``
-    agree and no rank's ``oob`` is set; True: they agree and some rank's ``oob`` is set)
-    or, when ``key`` or ``cseq`` differ, calls ``disagree(rows)`` with every rank's
-    ``[key, cseq, oob]``, which raises. A path with no such meeting (MPI's own
-    all-reduce) leaves ``outcome`` None: nothing was checked. Every rank reads the same
-    headers, so every rank learns the same thing: that is what lets the guard skip its own
-    control messages for an operation so checked (:mod:`fuelspmd.comm.guard`). A wait for
-    the peers there ends at ``timeout`` seconds if that is before the transport's own
-    deadline (the guard's deadline holds in-band too).
+    ``words`` are this rank's (a few int64s); the transport hands every rank's words, in
+    rank order, to ``agrees(rows)``, which must be a pure function of ``rows`` (every rank
+    reads the same rows, so every rank decides the same). ``watch`` is called every
+    :data:`WATCH_S` while the call waits for its peers; ``timeout`` bounds that wait.
     """
 
-    key: int
-    cseq: int
-    oob: int
-    outcome: bool | None
-    timeout: float
+    __slots__ = ("agrees", "timeout", "watch", "words")
 
-    def watch(self) -> None: ...
-    def disagree(self, rows: list[list[int]]) -> None: ...
+    def __init__(self, words: list[int], agrees: Callable[[list[list[int]]], bool],
+                 watch: Callable[[], None] | None = None, timeout: float = 600.0) -> None:
+        self.words, self.agrees, self.watch, self.timeout = words, agrees, watch, timeout
+
+
+class Disagreement(CollectiveMismatchError):
+    """A ``checked`` call whose ranks' words did not agree; raised on every rank, before
+    any data moved, with every rank's words (``rows``, the same on every rank)."""
+
+    def __init__(self, what: str, rows: list[list[int]]) -> None:
+        super().__init__(f"{what}: the ranks' descriptors differ ({rows})")
+        self.rows = rows
 
 
 @runtime_checkable
@@ -140,6 +177,8 @@ class Transport(Protocol):
     name: str
     rank: int
     size: int
+    tag_bound: int  # the largest tag send and recv take
+    capabilities: frozenset[str]  # see CAPABILITIES; methods of a capability are optional
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Work: ...
     def all_gather(self, send: Any, recv: Any) -> Work: ...
@@ -162,8 +201,9 @@ class TransportPlugin(Protocol):
         """Return why this transport cannot run here, or None when it can."""
         ...
 
-    def world(self, *, timeout: float) -> Transport:
-        """Return the transport over every process of the job (the world group)."""
+    def world(self, *, timeout: float, device: Any = None) -> Transport:
+        """Return the transport over every process of the job (the world group);
+        ``device`` is the one ``fs.init(device=...)`` named (None: "auto")."""
         ...
 
 
@@ -260,19 +300,74 @@ def check_peer(op: str, peer: int, size: int, rank: int | None = None, *,
                           f"(valid: 0..{size - 1})")
 
 
-def lend(memory: np.ndarray) -> np.ndarray:
-    """The area a transport lends out over ``memory`` (its optional ``window_buffer``
-    capability): an array of its own (uint8) over a memoryview of ``memory``, so that
-    every view handed out derives from this one object (its lender tracks it by a weak
-    reference: alive while anyone holds part of the area) and :func:`lent` knows them."""
-    return np.frombuffer(memoryview(memory), np.uint8)
+AGREE_FIELDS = 15  # fields one agree() compares at most (its record has a fixed size)
+_SHOWN = 64  # bytes of each field's value that an agree() mismatch message shows
 
 
-def lent(buf: Any) -> bool:
-    """Whether ``buf`` is a view of an area made by :func:`lend`."""
-    base = getattr(buf, "base", None)
-    return (type(base) is np.ndarray and isinstance(base.base, memoryview)
-            and isinstance(base.base.obj, np.ndarray))
+def _digest(text: str) -> int:
+    """62 bits of ``text``, alike on every rank (CRC-32 and Adler-32, not the per-process
+    salted ``hash``)."""
+    b = text.encode()
+    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
+
+
+def disagreement(what: str, rows: list[dict[str, Any]], labels: list[str] | None = None
+                 ) -> str | None:
+    """The message naming every field on which ``rows`` (one dict per rank) differ from
+    the first, and the ranks (``labels``, default ``rank i``); None when all agree."""
+    labels = labels or [f"rank {i}" for i in range(len(rows))]
+    first, parts = rows[0], []
+    for i, row in enumerate(rows[1:], 1):
+        fields = sorted(k for k in {*first, *row} if row.get(k) != first.get(k))
+        if fields:
+            parts.append("; ".join(f"{k}: {labels[0]} has {first.get(k, 'nothing')}, "
+                                   f"{labels[i]} has {row.get(k, 'nothing')}" for k in fields))
+    if not parts:
+        return None
+    return (f"{what}: the ranks disagree ({'; '.join(parts)}); every rank must make the same "
+            f"call with the same arguments at the same point")
+
+
+def agree(t: Transport, what: str, *, timeout: float | None = None, **fields: Any) -> None:
+    """Raise CollectiveMismatchError on every rank of ``t`` unless every rank passed equal
+    ``fields`` (compared by their ``repr``), naming the fields and ranks that differ.
+
+    Collective: one all_gather of a fixed-size record (digests of the names and of each
+    value), so ranks that pass different fields still meet in one well-formed exchange;
+    when they differ, a second one carries the values' text to name them.
+    """
+    if len(fields) > AGREE_FIELDS:
+        raise ConfigError(f"agree({what!r}): {len(fields)} fields; compare at most "
+                          f"{AGREE_FIELDS} (group the rest into one)")
+    if t.size == 1:
+        return
+    names = sorted(fields)
+    texts = [",".join(names), *(repr(fields[k]) for k in names)]
+    mine = np.full(1 + AGREE_FIELDS, -1, np.int64)
+    mine[:len(texts)] = [_digest(x) for x in texts]
+    every = np.empty(t.size * mine.size, np.int64)
+    try:
+        t.all_gather(mine, every).wait(timeout)
+    except CommTimeoutError as e:
+        raise CommTimeoutError(f"{what}: not every rank came to agree ({e})") from None
+    if (every.reshape(t.size, -1) == mine).all():
+        return
+    shown = np.zeros((1 + AGREE_FIELDS, _SHOWN), np.uint8)
+    for i, x in enumerate(texts):
+        b = x.encode()[:_SHOWN]
+        shown[i, :len(b)] = np.frombuffer(b, np.uint8)
+    words = shown.view(np.int64)  # the transports move numbers, not bytes
+    table = np.empty((t.size, *words.shape), np.int64)
+    t.all_gather(words, table).wait(timeout)
+    rows = []
+    for r in range(t.size):
+        text = [bytes(x).rstrip(b"\0").decode(errors="replace")
+                for x in table[r].view(np.uint8)]
+        keys = text[0].split(",") if text[0] else []
+        rows.append(dict(zip(keys, text[1:], strict=False)))
+    raise CollectiveMismatchError(disagreement(what, rows) or
+                                  f"{what}: the ranks' arguments differ in a way their first "
+                                  f"{_SHOWN} characters do not show")
 
 
 class _SelfRecv:
@@ -301,6 +396,8 @@ class SelfTransport:
     name = "self"
     rank = 0
     size = 1
+    tag_bound = 2**31 - 1
+    capabilities: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self._sent: deque[tuple[int, Any]] = deque()

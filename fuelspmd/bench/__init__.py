@@ -18,11 +18,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-__all__ = ["Column", "interleave", "median", "parse_bytes", "print_json", "print_table",
+from fuelspmd.comm.guarded import GuardedTransport
+
+__all__ = ["Column", "interleave", "median", "mpi_comm", "parse_bytes", "print_json",
+           "print_table",
            "time_calls"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def mpi_comm(t: Any) -> Any | None:
+    """The mpi4py communicator under ``t`` (the MPI transport, guarded or not), for a raw
+    baseline; None for any other transport."""
+    inner = t.inner if isinstance(t, GuardedTransport) else t
+    return inner.comm if inner.name == "mpi" else None
 
 
 def parse_bytes(text: str) -> int:

@@ -35,7 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.bench import Column, interleave, median, parse_bytes, print_json, print_table
+from fuelspmd.bench import (
+    Column,
+    interleave,
+    median,
+    mpi_comm,
+    parse_bytes,
+    print_json,
+    print_table,
+)
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
@@ -56,7 +64,7 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
     """Time the candidates; return their medians and ratios (the same on every rank)."""
     from mpi4py import MPI
 
-    mpi = getattr(t, "comm", None)
+    mpi = mpi_comm(t)
     if mpi is None:
         raise ConfigError(f"bench bucketing needs the MPI transport, but this world runs on "
                           f"{t.name!r}; start it under mpiexec -n 2 (or more)")

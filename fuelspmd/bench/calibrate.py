@@ -368,9 +368,8 @@ def main(argv: list[str]) -> int:
             if member:
                 # the fit is of MPI's own algorithms: the cost model prices the shm path by
                 # its own formula, so a split that planned shm for some sizes must not run it
-                policy = getattr(sub, "set_all_reduce_policy", None)
-                if policy is not None:
-                    policy(algorithm="mpi")
+                if "route" in sub.capabilities:
+                    sub.set_all_reduce_policy(algorithm="mpi")
                 records += measure(sub, sizes=sizes, reps=args.reps)
             _idle_barrier(world.transport, world.timeout)
         world_size, rank = world.size, world.rank

@@ -21,8 +21,8 @@ the median over rounds. Candidates are a name -> call table; ``lazy`` is the laz
 Communicator over the same transport, a collective built and realised per call (``lazy
 ratio`` = lazy busbw / mpi4py busbw, ``lazy +us`` its added latency). For all_reduce and
 broadcast the lazy program gives up its input as the in-place baseline does
-(``x = comm.all_reduce(x)``), so its buffer is donated and nothing is copied; a program
-that keeps its input pays one copy of it.
+(``x = comm.all_reduce(x.donate())``), so nothing is copied; a program that keeps its
+input pays one copy of it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from fuelspmd.bench import (
     Column,
     interleave,
     median,
+    mpi_comm,
     parse_bytes,
     print_json,
     print_table,
@@ -97,8 +98,8 @@ def _lazy_call(comm: Communicator, op: str, bufs: tuple[np.ndarray, ...], rop: R
     (building the node, realising it, the transport call).
 
     The in-place ops (all_reduce, broadcast) are timed as the raw baseline runs them: the
-    program gives up its input (``x = comm.all_reduce(x)``), so the realise may donate the
-    input's buffer and the call copies nothing, as ``Allreduce(IN_PLACE)`` copies nothing.
+    program gives up its input (``x = comm.all_reduce(x.donate())``), so the call copies
+    nothing, as ``Allreduce(IN_PLACE)`` copies nothing.
     The other ops read a leaf made once, as a parameter is.
     """
     if op in ("all_reduce", "broadcast"):
@@ -106,8 +107,8 @@ def _lazy_call(comm: Communicator, op: str, bufs: tuple[np.ndarray, ...], rop: R
 
         def consume() -> None:
             x = state.pop()
-            state.append(comm.all_reduce(x, rop) if op == "all_reduce" else
-                         comm.broadcast(x, 0))
+            state.append(comm.all_reduce(x.donate(), rop) if op == "all_reduce" else
+                         comm.broadcast(x.donate(), 0))
             del x
             state[0].realize()
         return consume
@@ -176,7 +177,7 @@ def run(t: Transport, *, ops: list[str], sizes: list[int], dtype: str, reduce_op
     n = t.size
     comm = None
     if baseline == "mpi4py":
-        comm = getattr(t, "comm", None)
+        comm = mpi_comm(t)
         if comm is None:
             raise ConfigError(f"--baseline mpi4py needs the MPI transport, but this world runs "
                               f"on {t.name!r}; start the job under mpiexec or srun")

@@ -44,10 +44,9 @@ PLAN_SIZES = (8, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 def _all_reduce_plan(transport: Any) -> dict[str, str] | None:
     """The algorithm the world transport runs for a float32 all-reduce of each of
     ``PLAN_SIZES`` bytes (None when the transport has no choice to report)."""
-    choose = getattr(transport, "all_reduce_algorithm", None)
-    if choose is None:
+    if "route" not in transport.capabilities:
         return None
-    return {format_bytes(n): choose(n, np.float32) for n in PLAN_SIZES}
+    return {format_bytes(n): transport.all_reduce_algorithm(n, np.float32) for n in PLAN_SIZES}
 
 
 def collect() -> dict[str, Any]:

@@ -35,7 +35,7 @@ nodes only; the transport is called when the graph runs. The rules:
 
 Host staging: a ``strict`` (array-api-strict) tensor goes to the transport as a numpy
 array and comes back as a strict array; numpy and cupy arrays go as they are. A transport
-that offers ``all_reduce_shared(buf, op, timeout) -> array`` (the in-process transport of a
+that offers ``all_reduce_shared(buf, op) -> array`` (the in-process transport of a
 DeviceGroup) reduces once for every device and returns one read-only array shared by all.
 
 Send/recv tags are the count of earlier messages to (from) that peer on this communicator,
@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from fuelspmd.backend import Device
+from fuelspmd.backend import Device, Spares
 from fuelspmd.backend import device as as_device
 from fuelspmd.dtypes import DType, Shape, normalize_axis
 from fuelspmd.dtypes import dtype as as_dtype
@@ -62,7 +62,6 @@ from . import ops as _ops  # registers the collective ops
 
 __all__ = ["Communicator"]
 
-TAG_LIMIT = 32768  # MPI guarantees tags below 32767; message counts wrap under it
 BUCKET_BYTES = 4 << 20  # a good bucket size when bucketing is turned on
 _ALL_REDUCE = _ops.ALL_REDUCE
 _SUM = "sum"  # all_reduce's default op: a call that leaves it finds its attrs by identity
@@ -91,9 +90,11 @@ class Communicator:
         self._self_sent: deque[Node] = deque()  # size 1: sends waiting for their recv
         self._sent: dict[int, int] = {}       # peer -> messages sent so far (issue time)
         self._received: dict[int, int] = {}   # peer -> messages received so far
-        self._shared = getattr(transport, "all_reduce_shared", None)
-        self._spare: dict[Any, list[Any]] = {}  # staging copies, reused once unreferenced (ops.py)
-        self._lend = getattr(transport, "window_buffer", None)  # shared-window placement
+        caps = transport.capabilities
+        self._shared = transport.all_reduce_shared if "shared" in caps else None  # type: ignore[attr-defined]
+        self._spare = Spares()  # staging copies, reused once unreferenced (ops.py)
+        self._lend = transport.lend if "lend" in caps else None  # type: ignore[attr-defined]
+        self._lent = transport.lent if "lend" in caps else None  # type: ignore[attr-defined]
         self._reduce_attrs: dict[Any, tuple[Any, ...]] = {}  # op as given -> node attrs
         self._sum_attrs = self._reduce_attrs[_SUM] = (self, 1, ReduceOp.SUM)
 
@@ -270,7 +271,7 @@ class Communicator:
     def _tag(self, counts: dict[int, int], peer: int) -> int:
         n = counts.get(peer, 0)
         counts[peer] = n + 1
-        return n % TAG_LIMIT
+        return n % (self.transport.tag_bound + 1)
 
 
 def _divisible(op: str, shape: Shape, axis: int, n: int) -> None:

@@ -1,25 +1,20 @@
 """What every participant of an operation must agree on, as a small fixed int64 array.
 
-A :class:`Fingerprint` names one operation a rank is about to issue to a Transport: its
-sequence number in the group (every op counts, collectives and point-to-point alike, so a
-rank that skips one is seen at the next collective), the op, the buffer's shape (element
-count, rank and up to four dimensions exactly, all of them through a hash), dtype, reduce
-op, root, group id and, for send/recv, (src, dst, tag). It is encoded as ``FP_LEN`` int64s
-(no pickling), so the guard sends it with the transport's own buffer ops.
+A :class:`Fingerprint` names one operation a rank issues to a Transport: its number in the
+group (``seq``: every op counts), the group's collective number (``cseq``: for a send or
+recv, how many collectives the group issued before it, its *epoch*), the op, the buffer's
+shape (element count, rank and up to four dimensions exactly, all of them through a hash),
+dtype, reduce op, root, group id and, for send/recv, (src, dst, tag). It is encoded as
+``FP_LEN`` int64s, so it travels with the transport's own buffer operations.
 
-Two counters: ``seq`` numbers every operation of the group (what the recorder and messages
-show) and ``cseq`` the group's collectives (for a send/recv: how many collectives the group
-issued before it, its *epoch*). Agreement uses ``cseq``: ranks of a pipeline issue
-different numbers of sends and receives between two collectives, so their ``seq`` differs
-legitimately, but every rank must be at the same collective, and a send must meet its
-recv in the same epoch. A rank that skips an operation is seen either way: a skipped
-collective shifts ``cseq``, a skipped send or recv leaves its peer unmatched at the fence.
-(``cseq`` defaults to ``seq``, right for a group that issues only collectives.)
+Agreement (:func:`diff`) compares ``cseq``, never ``seq``: the ranks of a pipeline issue
+different numbers of sends and receives between two collectives, but every rank must be at
+the same collective, and a send must meet its recv in the same epoch. Two collectives agree
+on every field; a send and the recv it meets are complementary (one ``send``, one ``recv``)
+and agree on src, dst, tag, shape, dtype, group and epoch.
 
-Agreement (:func:`diff`): the ranks of a collective must agree on every field. A send and
-the receive it meets must be complementary (one ``send``, one ``recv``) and agree on src,
-dst, tag, shape, dtype and group; their sequence numbers may differ (a pipeline stage
-issues more point-to-point ops than its neighbour).
+Everything before ``CSEQ`` in the encoding is what two agreeing collectives share byte for
+byte, so :func:`digest` of it is what ranks compare in one word.
 """
 
 from __future__ import annotations
@@ -30,19 +25,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FIELDS", "FP_LEN", "OPS", "Fingerprint", "diff", "group_id", "render"]
+__all__ = ["FIELDS", "FP_LEN", "OPS", "Fingerprint", "describe", "diff", "digest", "group_id",
+           "render"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier",
        "send", "recv")
-P2P_CODES = (OPS.index("send"), OPS.index("recv"))
+SEND, RECV = OPS.index("send"), OPS.index("recv")
 DTYPES = ("bool", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
 FIELDS = ("seq", "op", "shape", "dtype", "reduce_op", "root", "group", "src", "dst", "tag")
 NONE = -1
 
-# slots of the encoded array. SEQ is last and CSEQ next to it: everything before them is
-# what two agreeing operations of the same kind share exactly, so the guard compares it as
-# one run of bytes, beside CSEQ, and ignores SEQ (which legitimately differs)
 OP, COUNT, NDIM, DIM0, SHAPE_HASH, DTYPE, REDUCE, ROOT, GROUP, SRC, DST, TAG, CSEQ, SEQ = (
     0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
 FP_LEN = 17
@@ -58,7 +51,7 @@ def _code(table: tuple[str, ...], name: str | None) -> int:
         return NONE
     try:
         return table.index(name)
-    except ValueError:  # a dtype outside the table still compares: by its name's hash
+    except ValueError:  # a dtype outside the table still compares: by its name's CRC
         return 1000 + zlib.crc32(name.encode())
 
 
@@ -69,18 +62,20 @@ def _name(table: tuple[str, ...], code: int) -> str | None:
 
 
 def group_id(members: Iterable[int], color: int = 0) -> int:
-    """Return a 31-bit id of a group: a CRC of its members' world ranks and split color."""
-    data = np.asarray([color, *members], np.int64).tobytes()
-    return zlib.crc32(data) & 0x7FFFFFFF
+    """A 31-bit id of a group: a CRC of its members (or a parent's id) and split color."""
+    return zlib.crc32(np.asarray([color, *members], np.int64).tobytes()) & 0x7FFFFFFF
+
+
+def digest(encoded: np.ndarray) -> int:
+    """62 bits of what two agreeing collectives share (the encoding before ``CSEQ``),
+    alike on every rank (CRC-32 and Adler-32, not Python's per-process salted ``hash``)."""
+    b = encoded[:CSEQ].tobytes()
+    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
 
 
 @dataclass(slots=True)
 class Fingerprint:
-    """One operation as the rank issuing it sees it; ``encode`` gives the wire form.
-
-    Not frozen, for speed: one is built per guarded operation (a frozen dataclass costs
-    several times more to construct); treat it as a value.
-    """
+    """One operation as the rank issuing it sees it; ``encode`` gives the wire form."""
 
     seq: int
     op: str
@@ -97,11 +92,6 @@ class Fingerprint:
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"Fingerprint: unknown op {self.op!r}; use one of {OPS}")
-
-    @property
-    def p2p(self) -> bool:
-        """Whether this is a send or a recv (matched pairwise, not by every rank)."""
-        return self.op in ("send", "recv")
 
     def encode(self) -> np.ndarray:
         """Return the ``FP_LEN`` int64 wire form (see the slot constants)."""
@@ -142,9 +132,7 @@ def render(a: np.ndarray, field: str) -> str:
         return f"op #{int(a[SEQ])} (collective #{int(a[CSEQ])})"
     if field == "shape":
         ndim = int(a[NDIM])
-        dims = [str(int(d)) for d in a[DIM0:DIM0 + min(ndim, 4)]]
-        if ndim > 4:
-            dims.append("...")
+        dims = [str(int(d)) for d in a[DIM0:DIM0 + min(ndim, 4)]] + (["..."] if ndim > 4 else [])
         text = "(" + ", ".join(dims) + ("," if ndim == 1 else "") + ")"
         return f"{text} [{int(a[COUNT])} elements]"
     v = int(a[_SLOTS[field][0]])
@@ -152,33 +140,25 @@ def render(a: np.ndarray, field: str) -> str:
 
 
 def describe(a: np.ndarray) -> str:
-    """Return a one-line summary of an encoded fingerprint: op, numbers, shape, dtype, ...."""
+    """Return a one-line summary of an encoded fingerprint: op, numbers, shape, dtype, ..."""
     parts = [f"{render(a, 'op')} op #{int(a[SEQ])} (collective #{int(a[CSEQ])}) "
              f"{render(a, 'shape')} {render(a, 'dtype')}"]
-    for field in ("reduce_op", "root", "src", "dst", "tag"):
-        text = render(a, field)
-        if text not in ("none", "None"):
-            parts.append(f"{field}={text}")
+    parts += [f"{f}={render(a, f)}" for f in ("reduce_op", "root", "src", "dst", "tag")
+              if render(a, f) not in ("none", "None")]
     return " ".join(parts)
 
 
 def diff(mine: np.ndarray, theirs: np.ndarray) -> list[str]:
     """Return the fields on which two encoded fingerprints disagree (empty: they agree).
 
-    Two collectives compare every field (``seq`` compares the collective number ``cseq``).
-    A send meets a recv: ops must be complementary and epoch (``cseq``), src, dst, tag,
-    shape, dtype and group equal. A p2p op met by a collective
-    reports seq, op and whichever of shape, dtype, group also differ.
+    Two collectives compare every field (``seq`` compares the collective number). A send
+    meets a recv: the ops must be complementary and epoch, src, dst, tag, shape, dtype and
+    group equal. A p2p op met by a collective reports seq, op and whichever of shape,
+    dtype, group also differ.
     """
-    a_p2p, b_p2p = int(mine[OP]) in P2P_CODES, int(theirs[OP]) in P2P_CODES
+    a_p2p, b_p2p = int(mine[OP]) in (SEND, RECV), int(theirs[OP]) in (SEND, RECV)
     if a_p2p and b_p2p:
-        out = []
-        for field in _P2P_FIELDS:
-            if field == "op":
-                if mine[OP] == theirs[OP]:
-                    out.append("op")
-            elif any(mine[s] != theirs[s] for s in _SLOTS[field]):
-                out.append(field)
-        return out
+        return [f for f in _P2P_FIELDS if (mine[OP] == theirs[OP] if f == "op" else
+                                           any(mine[s] != theirs[s] for s in _SLOTS[f]))]
     fields = FIELDS if not (a_p2p or b_p2p) else _MIXED_FIELDS
     return [f for f in fields if any(mine[s] != theirs[s] for s in _SLOTS[f])]

@@ -1,607 +1,452 @@
-"""The collective guard: ranks that disagree on an operation raise, they never hang.
+"""The collective guard: ranks that disagree on an operation raise; none hands MPI a
+mismatched collective, and none hangs.
 
-Every guarded operation's :class:`~fuelspmd.comm.fingerprint.Fingerprint` (op, collective
-number, shape, dtype, reduce op, root, group; for send/recv also src, dst, tag) is sent to
-every other participant over a CONTROL channel (a private ``split`` of the transport, so
-control messages never match data) and compared with theirs. How the per-pair streams
-are matched, and why that cannot hang, is in :mod:`fuelspmd.comm.streams`.
+What the guard (``default`` and ``debug`` modes; ``off`` records and checks nothing)
+guarantees, and how:
 
-What ``default`` mode (the mode ``fs.init()`` uses) guarantees, exactly:
-
-1. ``wait`` on a guarded collective returns only after this rank has compared its
-   descriptor with the matching collective descriptor of every other rank of the group,
-   and they agree; ``wait`` on a recv, only after the sender's matching send descriptor
-   agrees. The comparison is per operation, not batched: no result is released before it
-   is checked. ``wait`` on a send returns once the data is sent; the send's descriptor is
-   compared with the peer's recv as the streams move, at the latest when either rank
-   waits on the group's next collective (which then raises).
-2. If two descriptors disagree, ``wait`` raises :class:`CollectiveMismatchError` instead of
-   returning, on every rank of the group: the rank that sees it first sends an *abort*
-   carrying both descriptors to every other rank before raising, and a rank that is
-   waiting in the guard sees it within one poll (at most ``_SLICE_S`` = 50 ms while its
-   own data operation is still running), a rank that enters the guard later raises at its
-   next guarded operation. Every rank's message names both ranks, the collective number
-   and every differing field with both values.
-3. The descriptor goes out together with the data operation (just before it for an
-   all_reduce that repeats an accepted one, just after it otherwise, so that a caller's
-   mistake in a buffer raises from the transport before anything is sent), not ahead of
-   a comparison: a mismatched collective has already been issued when it is found (MPI
-   then either completes it with meaningless data, which is never released, or reports an
-   error such as a truncation, which the guard replaces by the mismatch that explains it,
-   waiting up to 2 s for the descriptors). The data communicator is left unusable after a
-   mismatch: the job must end (invariant 3 of DESIGN.md).
-4. A rank that never issues its part (stuck in compute, dead, or waiting on something
-   else) is not a mismatch: the others wait until the guard's ``timeout`` and raise
-   :class:`CommTimeoutError`, naming the ranks whose descriptor never came and what each
-   did last; if every descriptor came and agrees but the transport still does not finish,
-   the error says so.
+1. **A collective is compared before any data moves.** Every rank's words
+   ``[digest, cseq, fence]`` (:meth:`Guard.words`) are compared first: ``digest`` covers
+   op, shape, dtype, reduce op, root and group (:func:`~fuelspmd.comm.fingerprint.digest`),
+   ``cseq`` is the group's collective number, and ``fence`` is this rank's share of a sum
+   over every ordered pair ``(a, b)`` of ``w(a, b) * (sends a issued to b - recvs b issued
+   from a)`` modulo a prime ``P`` (random weights ``w``, alike on every rank): the shares sum
+   to zero exactly when every pair issued as many recvs as sends before this collective
+   (with probability ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest
+   and cseq are the same on every rank and the shares sum to zero. Where the transport
+   makes the ranks meet anyway (the ``checked`` capability: the MPI transport's
+   shared-memory header, or one fixed-size exchange that carries a small buffer along) the
+   words ride there; elsewhere one fixed-size all_gather of them on a private split of the
+   transport (the *control* channel) comes first. Every rank reads the same rows, so every
+   rank decides the same: when they disagree, every rank then all-gathers its whole
+   fingerprint and pair counts on the control channel and raises
+   :class:`~fuelspmd.errors.CollectiveMismatchError` naming the ranks, the collective
+   number and each differing field, or the pair whose sends and recvs do not match.
+2. **A send meets its recv.** Each send's fingerprint follows it on the control channel
+   (one ordered stream per pair, tag :data:`TAG_P2P`); a recv is released only once the
+   sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).
+3. **Ranks waiting in different places find out within a slice.** A wait that lasts
+   longer than :data:`~fuelspmd.transport.WATCH_S` sends one *note* per peer (tag
+   :data:`TAG_NOTE`: the op it waits in and its pair counts with that peer) and reads the
+   peers' notes (the ``probe`` capability). A note that cannot be squared with what this
+   rank does (another collective at the same number; a recv of a message this rank never
+   sent while it waits in a collective; ...) raises here, and an *abort* note tells every
+   peer, which raises within its next slice. A note about an operation already passed
+   (an older collective number, a message already sent) is stale and ignored.
+4. **A rank that never comes is named.** A wait gives up at the guard's ``timeout`` with
+   :class:`~fuelspmd.errors.CommTimeoutError` naming the ranks whose notes do not show
+   them in this operation, and what each was last seen doing.
 5. Once the guard has failed, every later operation on it raises the same error class.
 
-In-band. Where the transport already makes the ranks meet over a header they all read
-(the MPI transport's shared-memory all-reduce: ``checks_all_reduce``), a repeated
-all_reduce sends no control message at all: its :class:`Call` (a
-:class:`~fuelspmd.transport.CallCheck`) puts a digest of the descriptor (``key``, which
-covers op, shape, dtype, reduce op and group) and the collective number in that header,
-and the transport compares them with every peer's before it moves any data. That is the
-same per-operation comparison as guarantee 1, made where the ranks meet anyway, so
-nothing is released unchecked. It keeps the guarantees because every rank decides alike
-from the headers it read:
-
-- a rank takes the in-band path only when the guard is *settled* (every descriptor it
-  sent matched, every one it received consumed: no send or recv awaits its match, so
-  the fence of guarantee 1 holds); otherwise it announces the collective as before and
-  sets ``oob`` in the header, and every rank that sees an ``oob`` announces the
-  collective too (*promotes* it), after the data moved, and matches it as usual: the
-  control streams stay in step, each pair's stream holding the same collectives;
-- ranks whose digests or numbers differ all promote and match (:meth:`Guard.disagree`),
-  so the error names the fields as ever;
-- a rank waiting in such a call reads its streams every slice (``watch``): an abort, or
-  any descriptor a peer sent (a peer that went to another operation announced it; one
-  that sent or awaits a point-to-point message this rank never issued did too), makes it
-  promote its collective there, and the match raises the mismatch on both sides. A peer
-  that is only late sends nothing, and nothing happens.
-
-With a flight recorder every operation is announced (the in-band path records nothing).
-Measured, ``fuelspmd bench guard`` at 1 MiB on 2 ranks: 1.01x the unguarded all_reduce
-in-band, 1.11-1.14x announced (docs/reliability.md).
-
-``debug`` mode also compares a collective's descriptors *before* issuing it (a mismatched
-collective never reaches the transport) and a CRC of every result that must be identical
-on all ranks (all_reduce, all_gather, broadcast). ``off`` records, checks nothing.
-Creating a Guard is collective over the transport (it splits the control channel). The
-flight :class:`~fuelspmd.comm.recorder.Recorder`, when given, records every operation and
-is dumped to ``trace_dir`` on a mismatch or timeout.
-
-What it costs, and why each step sits where it does. Every microsecond of Python a rank
-runs per operation is a microsecond its peers wait (measured: 3 us of busy work before the
-issue, between issue and wait, or after completion each added 1.6-2.1% to a 200 us 1 MiB
-all_reduce at 2 ranks), and right after a 1 MiB all_reduce the interpreter and MPI run
-with cold caches, at about half speed (the guard's steps took about twice the thread CPU
-time after a 1 MiB all_reduce as after an 8 B one, load 5-8). So the hot path of a
-default-mode collective is short and makes few MPI calls: :meth:`Guard.stage` writes two
-numbers into a preallocated send slot holding the cached descriptor and records the
-operation; :meth:`Guard.post` starts the slot's persistent sends (one MPI call), for a
-repeated all_reduce just before the issue, so a peer whose data completes finds the
-descriptor already there; after completion, per peer, the head of a ring of persistent
-receives is tested (one MPI call), 15 int64s compared as bytes and the collective number
-as an int; consumed receives are restarted, and finished sends tested, four at a time.
-Anything else (a descriptor that differs, an abort, a send/recv, a slow peer, more
-collectives in flight than slots) takes the general path (:mod:`fuelspmd.comm.streams`).
-Measured figures: ``fuelspmd bench guard`` (:mod:`fuelspmd.bench.guard`).
+``debug`` mode also compares a CRC of every result that must be alike on all ranks
+(all_reduce, all_gather, broadcast). The flight :class:`~fuelspmd.comm.recorder.Recorder`,
+when given, records every operation and is dumped to ``trace_dir`` on a failure.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import zlib
-from collections import deque
-from collections.abc import Callable
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.comm.control import Channel, Request
-from fuelspmd.comm.fingerprint import CSEQ, OP, SEQ, Fingerprint, describe, group_id
-from fuelspmd.comm.recorder import Recorder
-from fuelspmd.comm.streams import (
-    _BATCH,
-    _DEPTH,
-    _FP,
-    _HINT,
-    _KIND,
-    _MSG_CSEQ,
-    _MSG_SEQ,
-    _NO_FP,
-    _OP,
-    _RECV,
-    _SAME,
-    _SEND,
-    _SENDER,
-    _SLICE_S,
-    _SLOTS,
-    MODES,
-    MSG_LEN,
-    Peer,
-    Streams,
-    Ticket,
+from fuelspmd.comm.fingerprint import (
+    CSEQ,
+    DST,
+    FP_LEN,
+    OP,
+    RECV,
+    SEND,
+    SEQ,
+    SRC,
+    Fingerprint,
+    describe,
+    diff,
+    digest,
+    render,
 )
+from fuelspmd.comm.recorder import Recorder
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, ConfigError
-from fuelspmd.transport import Transport, Work
+from fuelspmd.transport import WATCH_S, Check, Disagreement, Transport, Work, agree
 
-__all__ = ["MODES", "MSG_LEN", "Guard", "Ticket"]
+__all__ = ["MODES", "TAG_NOTE", "TAG_P2P", "Guard", "agrees"]
+
+MODES = ("default", "debug", "off")
+TAG_P2P, TAG_NOTE = 1, 2  # the control channel's two streams
+_P = (1 << 61) - 1  # the fence's modulus, a prime
+_WAIT, _ABORT = 1, 2  # kinds of note
+_TEXT = 2048  # bytes of an abort note's text
+_NOTE = 4 + FP_LEN + _TEXT // 8  # [kind, sender, sent to you, recvd from you, fp, text]
+_KINDS = (CollectiveMismatchError, CommTimeoutError, CommError)
+_HINT = ("every rank must issue the same collectives in the same order, and every send "
+         "must meet a recv with the same tag, shape and dtype")
 
 
-def descriptor_key(template: np.ndarray) -> int:
-    """A digest of what two agreeing collectives share (a message's ``_SAME`` run: kind,
-    op, shape, dtype, reduce op, root, group...), alike on every rank (CRC-32 and Adler-32,
-    not Python's per-process salted ``hash``); 62 bits, for an int64 header word."""
-    b = template[_SAME].tobytes()
-    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
+def _weight(a: int, b: int) -> int:
+    """The fence weight of the ordered pair (a, b): 61 pseudo-random bits, alike everywhere."""
+    data = np.array([a, b], np.int64).tobytes()
+    return ((zlib.crc32(data) << 32) | zlib.crc32(data[::-1])) % (_P - 1) + 1
 
 
-class Call:
-    """One kind of guarded all_reduce (shape, dtype, reduce op), and its in-band check.
+def agrees(rows: list[list[int]]) -> bool:
+    """Whether every rank's ``[digest, cseq, fence]`` agree (see the module docstring)."""
+    d, c = rows[0][0], rows[0][1]
+    total = 0
+    for r in rows:
+        if r[0] != d or r[1] != c:
+            return False
+        total += r[2]
+    return total % _P == 0
 
-    A GuardedTransport (``owner``: its ``seq`` is the call's number) caches one per kind:
-    ``fp`` and ``template`` are its fingerprint and control message templates, ``key``
-    their digest, ``shape``, ``dtype`` and ``op`` what it is looked up by. It is the
-    :class:`~fuelspmd.transport.CallCheck` handed to a transport that checks in-band:
-    ``cseq`` and ``outcome`` are set per call; ``oob`` is 1 while the call is announced
-    over the control streams (posted before the issue, or promoted: ``ticket``), and every
-    rank that sees it in a header announces the call too. ``inband`` says whether the
-    transport checked the last call of this kind (MPI's own all-reduce of a small size
-    does not): it predicts the next, which is otherwise announced first.
+
+class Guard:
+    """The checks of one group (see the module docstring); GuardedTransport drives it.
+
+    Creating one is collective over ``transport``: it splits the control channel and
+    checks that every rank asked for the same mode and group.
     """
 
-    __slots__ = ("cseq", "dtype", "fp", "guard", "inband", "key", "oob", "op", "outcome",
-                 "owner", "shape", "template", "ticket", "timeout")
-
-    def __init__(self, guard: Guard, fp: Fingerprint, template: np.ndarray,
-                 owner: Any) -> None:
-        self.guard, self.fp, self.template, self.owner = guard, fp, template, owner
-        self.timeout = guard.timeout  # the guard's deadline, for the transport's wait
-        self.key = descriptor_key(template)
-        self.cseq = self.oob = 0
-        self.outcome: bool | None = None
-        self.inband = True
-        self.ticket: Ticket | None = None
-        self.shape: Any = None
-        self.dtype: Any = None
-        self.op: Any = None
-
-    def watch(self) -> None:
-        """Read the control streams while the transport waits for the peers (Guard.watch)."""
-        self.guard.watch(self)
-
-    def disagree(self, rows: list[list[int]]) -> None:
-        """The ranks' descriptors differ (rows of [key, cseq, oob]): Guard.disagree raises."""
-        self.guard.disagree(rows, self)
-
-
-class Guard(Streams):
-    """Check each operation's fingerprint against the other participants' (see the module)."""
-
     def __init__(self, transport: Transport, *, mode: str = "default", timeout: float = 600.0,
-                 recorder: Recorder | None = None, group: int | None = None,
+                 recorder: Recorder | None = None, group: int = 0, world_rank: int | None = None,
                  trace_dir: str | os.PathLike[str] | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"Guard(mode={mode!r}): use one of {MODES}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"Guard(timeout={timeout!r}): give a positive number of seconds")
-        self.transport = transport
         self.rank, self.size = transport.rank, transport.size
-        self.mode, self.timeout = mode, float(timeout)
+        self.mode, self.timeout, self.group = mode, float(timeout), int(group)
         self.recorder, self.trace_dir = recorder, trace_dir
-        members = getattr(transport, "world_ranks", range(transport.size))
-        self.group = group_id(members) if group is None else int(group)
-        self._failed: str | None = None
-        self._failed_kind: type[Exception] = CollectiveMismatchError
-        self._inflight: deque[tuple[Callable[[], bool], np.ndarray]] = deque()
-        self._control: Transport | None = None
-        self._peers: list[Peer | None] = []
-        self._colls_issued = 0
-        # collective send slots (default mode): message buffer, its fingerprint view, the
-        # persistent sends to every peer, the ordinal of the collective last sent from it
-        self._slot_buf: list[np.ndarray] = []
-        self._slot_fp: list[np.ndarray] = []
-        self._slot_reqs: list[list[Request]] = []
-        self._slot_start: list[Callable[[], None]] = []
-        self._slot_n: list[int] = []
-        self._slot_sent: list[bool] = []  # its last sends are known to have completed
-        self._batch_reqs: list[list[Request]] = []  # sends of slots k..k+_BATCH-1, k % _BATCH == 0
-        self._slot_same: list[bytes] = []
-        self._slot_tmpl: list[np.ndarray | None] = []
-        self._next_slot = 0
-        self._unposted: Ticket | None = None  # staged, its descriptor not sent yet
-        # in-band (see the module): ``_loud`` until settled() found nothing awaiting a peer
-        self._loud = True
+        self.world_rank = self.rank if world_rank is None else int(world_rank)
+        self.control: Transport | None = None
         if mode != "off" and self.size > 1:
-            self._control = transport.split(0, transport.rank)
-            self._channel = Channel(self._control)
-            self._peers = [None if r == self.rank else Peer(r, self._channel)
-                           for r in range(self.size)]
-        self._all = [p for p in self._peers if p is not None]
-        for p in self._all:
-            self._channel.startall(p.ring)
-        if self._all and mode == "default":
-            for _ in range(_SLOTS):
-                buf = np.full(MSG_LEN, -1, np.int64)
-                self._slot_buf.append(buf)
-                self._slot_fp.append(buf[_FP])
-                reqs = [self._channel.send_init(buf, p.rank) for p in self._all]
-                self._slot_reqs.append(reqs)
-                self._slot_start.append(self._channel.starter(reqs))
-                self._slot_n.append(0)
-                self._slot_sent.append(True)
-                self._slot_same.append(b"")
-                self._slot_tmpl.append(None)
-            self._batch_reqs = [[r for reqs in self._slot_reqs[k:k + _BATCH] for r in reqs]
-                                for k in range(0, _SLOTS, _BATCH)]
-
-    # -- the calls around an operation -----------------------------------------------------
-
-    @staticmethod
-    def message(fp: Fingerprint) -> np.ndarray:
-        """Return the control message that announces ``fp`` (``MSG_LEN`` int64s).
-
-        A caller that issues many alike operations may cache it as a template: copy it and
-        set the SEQ and CSEQ slots of ``message[2:]`` (the encoded fingerprint) per call,
-        or hand it to :meth:`stage`.
-        """
-        msg = np.full(MSG_LEN, -1, np.int64)
-        msg[_KIND] = _OP
-        msg[_FP] = fp.encode()
-        return msg
-
-    def stage(self, fp: Fingerprint, template: np.ndarray, seq: int,
-              cseq: int) -> Ticket | None:
-        """Prepare a collective for :meth:`post`: fill a send slot, record it; or None.
-
-        Called before the data operation is issued, so that none of this runs while it
-        is in flight; :meth:`post`, right after the issue, sends it (and :meth:`unstage`,
-        if the issue raised, takes the record back). ``template`` is
-        ``Guard.message(fp)``, kept unchanged by the caller, and ``fp`` may be a shared
-        template (its numbers are ``seq`` and ``cseq``): a slot that last held the same
-        template object only gets the two numbers written. Returns None where the fast
-        path does not apply (debug or off mode, one rank, or the next slot still awaiting
-        a peer's match or its send): the caller then uses :meth:`check`. Raises at once
-        if the guard has failed or a peer is already known to be out of step.
-        """
-        if self._failed is not None:  # the group is out of step: nothing more can be agreed
-            raise self._failed_kind(f"the guard already failed: {self._failed}")
-        if not self._slot_buf:
-            return None
-        k = self._next_slot
-        n = self._slot_n[k]
-        for p in self._all:
-            if p.coll_ok < n:  # a slot is reused once every peer matched its collective
-                return None
-            if p.their_sends or p.their_recvs:  # p2p of theirs before a fence I never met
-                return None  # check() raises the mismatch
-        if not self._slot_sent[k]:  # ... and its sends completed
-            if k % _BATCH == 0 and self._channel.testall(self._batch_reqs[k // _BATCH]):
-                for j in range(k, k + _BATCH):
-                    self._slot_sent[j] = True
-            elif self._channel.testall(self._slot_reqs[k]):
-                self._slot_sent[k] = True
-            else:
-                return None
-        buf = self._slot_buf[k]
-        if self._slot_tmpl[k] is not template:
-            buf[:] = template
-            buf[_SENDER] = self.rank
-            self._slot_tmpl[k] = template
-            self._slot_same[k] = buf[_SAME].tobytes()
-        buf[_MSG_SEQ] = seq
-        buf[_MSG_CSEQ] = cseq
-        rec = self.recorder.push(fp, seq, cseq) if self.recorder is not None else -1
-        self._unposted = t = Ticket(self, fp, self._slot_fp[k], rec, None,
-                                    self._colls_issued + 1, True, self._slot_same[k], cseq,
-                                    k, seq)
-        return t
-
-    def post(self, ticket: Ticket) -> Ticket:
-        """Send the collective :meth:`stage` prepared to every peer; return its Ticket.
-
-        The one step between the data operation's issue and its wait: one MPI call, three
-        stores and an append per peer. The comparison happens in :meth:`wait`. A ticket
-        already posted (by :meth:`watch`, while its issue blocked) is not posted again.
-        """
-        if ticket is not self._unposted:
-            return ticket
-        self._unposted = None
-        self._loud = True
-        k = ticket.slot
-        self._slot_start[k]()
-        self._colls_issued = n = ticket.n
-        self._slot_n[k] = n
-        self._slot_sent[k] = False
-        self._next_slot = (k + 1) % _SLOTS
-        a = ticket.encoded
-        for p in self._all:
-            p.colls.append(a)
-        return ticket
-
-    def abandon(self, ticket: Ticket, error: BaseException) -> None:
-        """A posted collective whose issue raised: its descriptor is out, the operation is
-        not, so the group is out of step; the guard fails (every later operation raises)."""
-        self._fail(f"{describe(ticket.encoded)} on rank {self.rank} was announced to the "
-                   f"group but the transport refused to issue it ({type(error).__name__}: "
-                   f"{error}); the ranks are out of step and the job must end",
-                   "failed", ticket.record, RuntimeError, raise_now=False)
-
-    def unstage(self, ticket: Ticket) -> None:
-        """Forget a staged collective whose issue raised (its record is taken back)."""
-        if ticket is self._unposted:
-            self._unposted = None
-        if ticket.record >= 0 and self.recorder is not None:
-            self.recorder.unpush(ticket.record)
-
-    def watch(self, call: Call | None = None) -> None:
-        """Read the control streams while the transport blocks inside an operation's issue.
-
-        The shared-memory all-reduce waits for its peers inside ``all_reduce`` (it
-        returns a finished Work), so a peer that is in another operation would only be
-        found at the transport's deadline; the transport calls this every slice of that
-        wait instead (``checks_all_reduce``). It sends this rank's staged descriptor if
-        it is not out yet (the peers need it to see the disagreement), then reads every
-        stream as a wait does: an abort, or a peer's descriptor that disagrees with the
-        collective this rank is in, raises here, on every rank within a slice. A ``call``
-        checked in-band (not announced: ``oob`` 0) is promoted as soon as any peer's
-        descriptor is here: that peer announced its operation, so it either set ``oob``
-        in its header (every rank promotes this call) or is in another operation (the
-        match raises).
-        """
-        if self._control is None:
-            return
-        if self._unposted is not None:
-            self.post(self._unposted)
-        self._scan(-1)
-        if call is not None and not call.oob:
-            for p in self._all:
-                if p.inbox or p.their_sends or p.their_recvs:
-                    self._promote(call)
-                    self._scan(-1)
-                    break
-
-    def settled(self) -> bool:
-        """Whether nothing of this guard awaits a peer: every descriptor it sent has been
-        matched and every one it received consumed (then an all_reduce may be checked
-        in-band). Cheap once true: ``_loud`` is set again by whatever sends or receives."""
-        if self._failed is not None or self._unposted is not None or self._control is None:
-            return False
-        for p in self._all:
-            if p.colls or p.sends or p.recvs or p.inbox or p.their_sends or p.their_recvs:
-                return False
-        self._loud = False
-        return True
-
-    def _promote(self, call: Call) -> Ticket:
-        """Announce ``call``, checked in-band until now, as any collective (see the module)."""
-        msg = call.template.copy()
-        msg[_MSG_SEQ] = call.owner.seq
-        msg[_MSG_CSEQ] = call.cseq
-        call.oob = 1
-        call.ticket = t = self.check(call.fp, message=msg)
-        return t
-
-    def finish(self, call: Call, work: Work) -> Work:
-        """The in-band ``call`` returned, but not plainly agreed (``outcome`` True: some
-        rank announced it; None: the transport checked nothing, the size took MPI's own
-        all-reduce; or this rank promoted it): announce it now, unless promoted already,
-        and return its Ticket; the wait matches it as any collective. Called before the
-        owner counts the call."""
-        t = call.ticket if call.ticket is not None else self._promote(call)
-        call.ticket, call.oob = None, 0
-        if call.outcome is None:
-            call.inband = False  # announce the next of its kind first
-        t.work = work
-        return t
-
-    def end(self, call: Call, error: BaseException) -> None:
-        """The in-band ``call`` raised. A CommError (a timeout, a mismatch) fails the
-        guard; a refusal before any communication (a bad buffer) leaves it as it was."""
-        t = call.ticket
-        call.ticket, call.oob = None, 0
-        if isinstance(error, CommError):
-            state = ("mismatch" if isinstance(error, CollectiveMismatchError) else
-                     "timeout" if isinstance(error, CommTimeoutError) else "failed")
-            self._fail(str(error), state, -1, type(error), raise_now=False)
-        elif t is not None:
-            self.abandon(t, error)
-
-    def disagree(self, rows: list[list[int]], call: Call | None = None) -> None:
-        """The transport's header shows the ranks' descriptors differ (``rows``: every
-        rank's [key, cseq, oob]); every rank sees it, so every rank announces its
-        collective (``call``, unless announced already) and matches the peers' here,
-        which raises the mismatch naming the fields (up to 2 s for the descriptors;
-        failing that, the header's words)."""
-        if self._control is None:
-            raise CollectiveMismatchError(f"collective mismatch in group {self.group}: the "
-                                          f"transport's header gives {rows} per rank")
-        if self._unposted is not None:
-            self.post(self._unposted)
-        if call is not None and not call.oob:
-            self._promote(call)
-        n = self._colls_issued
-        mine = next((p.colls[-1] for p in self._all if p.colls), _NO_FP)
-        try:
-            self._drive(lambda: self._colls_matched(n), self._all, mine, -1, 2.0)
-        except CommTimeoutError:
-            self._failed = None
-        who = "; ".join(f"rank {k}: key {r[0]} collective #{r[1]}" for k, r in enumerate(rows))
-        self._fail(f"collective mismatch in group {self.group} at collective "
-                   f"#{rows[self.rank][1]} on rank {self.rank}: the ranks' descriptors differ "
-                   f"in the transport's header ({who}), and the control streams did not name "
-                   f"the fields within 2 s. Fix: {_HINT}", "mismatch", -1,
-                   CollectiveMismatchError)
+            self.control = transport.split(0, transport.rank)
+            agree(self.control, "GuardedTransport", timeout=self.timeout, mode=mode,
+                  group=self.group)
+        control = self.control
+        self._probe = (control.probe if control is not None  # type: ignore[attr-defined]
+                       and "probe" in control.capabilities else None)
+        n, r = self.size, self.rank
+        self.sent, self.recvd = [0] * n, [0] * n  # point-to-point ops issued, per peer
+        self.fence = 0
+        self._w_out = [_weight(r, q) for q in range(n)]
+        self._w_in = [_weight(q, r) for q in range(n)]
+        self._descs: list[dict[int, np.ndarray]] = [{} for _ in range(n)]  # by message no.
+        self._desc_n = [0] * n  # send fingerprints received from each peer
+        self._outbox: list[Work] = []
+        self._notes: list[np.ndarray | None] = [None] * n  # each peer's last wait note
+        self._cur: tuple[np.ndarray, int, int, int] | None = None  # what this rank waits in
+        self._announced = False
+        self._rec = -1  # the recorder ticket of that operation
+        self._pending: tuple[Fingerprint, int, int] | None = None  # or what to record
+        self.dumped = False  # whether dump() wrote this rank's recorder out
+        self.failed: str | None = None
+        self._failed_kind: type[Exception] = CollectiveMismatchError
 
     @property
     def checks(self) -> bool:
         """Whether operations are compared at all (not in off mode, nor with one rank)."""
-        return self._control is not None
+        return self.control is not None
 
-    def note(self, fp: Fingerprint, seq: int, cseq: int) -> Ticket:
-        """Record an operation of a guard that checks nothing (off mode, one rank)."""
-        if self._failed is not None:
-            raise self._failed_kind(f"the guard already failed: {self._failed}")
-        if self._control is not None:
-            raise RuntimeError("Guard.note on a guard that checks: use stage/post or check")
-        rec = self.recorder.push(fp, seq, cseq) if self.recorder is not None else -1
-        return Ticket(self, fp, _NO_FP, rec, None, 0, cseq=cseq, seq=seq)
+    # -- around an operation ----------------------------------------------------------
 
-    def check(self, fp: Fingerprint, *, message: np.ndarray | None = None) -> Ticket:
-        """Announce ``fp`` to the participants; raise if a disagreement is already known.
+    def raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise self._failed_kind(f"the guard already failed: {self.failed}")
 
-        Returns a Ticket; :meth:`wait` completes the comparison before the operation's
-        result is released. In ``debug`` mode a collective is compared before this
-        returns, so a mismatched collective is never issued at all. ``message`` is a
-        filled copy of ``Guard.message(fp)`` when the caller caches it (it is sent as it
-        is and must not be changed afterwards); its SEQ and CSEQ slots are the operation's
-        numbers, and ``fp`` may then be a shared template.
-        """
-        if self._failed is not None:  # the group is out of step: nothing more can be agreed
-            raise self._failed_kind(f"the guard already failed: {self._failed}")
-        msg = self.message(fp) if message is None else message
-        msg[_SENDER] = self.rank
-        a = msg[_FP]
-        cseq = int(a[CSEQ])
-        rec = (self.recorder.push(fp, int(a[SEQ]), cseq)
-               if self.recorder is not None else -1)
-        if self._control is None:
-            return Ticket(self, fp, a, rec, None, 0)
-        self._loud = True
-        inflight = self._inflight
-        while inflight and inflight[0][0]():
-            inflight.popleft()
-        op = int(a[OP])
-        if op == _SEND or op == _RECV:
-            peer = fp.dst if op == _SEND else fp.src
-            if peer is None or peer == self.rank:
-                return Ticket(self, fp, a, rec, None, 0)
-            p = self._peers[int(peer)]
-            if p is None:
-                raise RuntimeError(f"guard: no control stream to peer {peer}")
-            self._post(msg, p.rank)
-            if op == _SEND:
-                p.sends.append(a)
-                n = 0
-            else:
-                p.recvs.append(a)
-                n = p.recv_ok + len(p.recvs)
-            self._meet_early(p, rec)
-            self._advance(p, rec)
-            return Ticket(self, fp, a, rec, p, n)
-        self._colls_issued = n = self._colls_issued + 1
-        for p in self._all:
-            self._post(msg, p.rank)
-            p.colls.append(a)
-            if p.their_sends or p.their_recvs:  # it issued p2p before its fence I never met
-                self._mismatch(a, p.rank, (p.their_sends or p.their_recvs)[0], rec)
-        if self.mode == "debug":
-            self._drive(lambda: self._colls_matched(n), self._all, a, rec, None)
-        return Ticket(self, fp, a, rec, None, n, True, None, cseq)
+    def record(self, fp: Fingerprint, seq: int, cseq: int) -> int:
+        """Record an operation as issued (its recorder ticket, or -1 without a recorder)."""
+        return -1 if self.recorder is None else self.recorder.push(fp, seq, cseq)
 
-    def wait(self, ticket: Ticket, work: Work, timeout: float | None = None) -> None:
-        """Wait for ``work`` (issued with ``ticket``) and for its descriptors to agree."""
-        rec = ticket.record
-        try:
-            p, n = ticket.peer, ticket.n
-            if self._control is None or (p is None and not ticket.coll):
-                work.wait(timeout)
-            elif ticket.coll and self.mode == "default" and self._fast(work, ticket):
-                pass  # matched inline
-            elif ticket.coll:
-                self._settle(work, lambda: work.test() and self._colls_matched(n),
-                             lambda: self._colls_matched(n), self._all, ticket, timeout)
-            elif n:  # a recv: released only once the peer's matching send descriptor is in
-                self._settle(work, lambda: work.test() and p.recv_ok >= n,
-                             lambda: p.recv_ok >= n,
-                             [p], ticket, timeout)
-            else:  # a send: done when the data is; its match is checked as the streams move
-                self._settle(work, work.test, lambda: True, [p], ticket, timeout)
-        except CommTimeoutError as e:
-            self._fail(str(e), "timeout", rec, CommTimeoutError, raise_now=False)
-            raise
-        except CommError as e:
-            self._fail(str(e), "mismatch" if isinstance(e, CollectiveMismatchError)
-                       else "failed", rec, type(e), raise_now=False)
-            raise
+    def begin(self, template: np.ndarray, seq: int, cseq: int, k: int = 0,
+              rec: int = -1, fp: Fingerprint | None = None) -> None:
+        """Mark the operation this rank is now in (its notes name it; a failure marks its
+        record ``rec``, or records ``fp`` first) and read the notes that have come: an
+        abort raises here, at the next guarded operation."""
+        self._cur, self._announced, self._rec = (template, seq, cseq, k), False, rec
+        self._pending = None if fp is None else (fp, seq, cseq)
+        if self._probe is not None:
+            self._read_notes()
+
+    def words(self, check: Check, cseq: int) -> Check:
+        """``check`` with this operation's words: its digest (set once), cseq, the fence."""
+        w = check.words
+        w[1], w[2] = cseq, self.fence
+        return check
+
+    def check_for(self, encoded: np.ndarray) -> Check:
+        """A Check for operations of this encoded fingerprint (cseq and fence set per call)."""
+        return Check([digest(encoded), 0, 0], agrees, self.watch, self.timeout)
+
+    def meet(self, check: Check) -> None:
+        """Compare ``check``'s words with every rank's on the control channel (one
+        fixed-size all_gather); raise :class:`Disagreement` on every rank if they differ."""
+        assert self.control is not None
+        mine = np.array(check.words, np.int64)
+        rows = np.empty(self.size * mine.size, np.int64)
+        self.wait_work(self.control.all_gather(mine, rows), self.timeout, "the check")
+        table = rows.reshape(self.size, -1).tolist()
+        if not agrees(table):
+            raise Disagreement("the guard's check", table)
+
+    def sent_to(self, peer: int) -> int:
+        """Count a send to ``peer``; return its number (1, 2, ...) among them."""
+        self.sent[peer] += 1
+        self.fence = (self.fence + self._w_out[peer]) % _P
+        return self.sent[peer]
+
+    def recvd_from(self, peer: int) -> int:
+        """Count a recv from ``peer``; return its number (1, 2, ...) among them."""
+        self.recvd[peer] += 1
+        self.fence = (self.fence - self._w_in[peer]) % _P
+        return self.recvd[peer]
+
+    def post(self, msg: np.ndarray, peer: int, tag: int) -> None:
+        """Send a control message (kept unchanged until sent); finished sends are dropped."""
+        assert self.control is not None
+        self._outbox = [w for w in self._outbox if not w.test()]
+        self._outbox.append(self.control.send(msg, peer, tag))
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait_work(self, work: Work, limit: float, what: str) -> None:
+        """Wait for ``work`` in slices of WATCH_S, watching in between, until ``limit`` s."""
+        start = time.monotonic()
+        while True:
+            try:
+                work.wait(min(WATCH_S, max(limit - (time.monotonic() - start), 1e-6)))
+                return
+            except CommTimeoutError:
+                if time.monotonic() - start >= limit:
+                    self.late(what, limit)
+                self.watch()
+
+    def descriptor(self, peer: int, k: int, limit: float) -> np.ndarray:
+        """The fingerprint of ``peer``'s ``k``-th send to this rank (received in order)."""
+        assert self.control is not None
+        got = self._descs[peer]
+        while k not in got:
+            buf = np.empty(FP_LEN, np.int64)
+            self.wait_work(self.control.recv(buf, peer, TAG_P2P), limit,
+                           f"the fingerprint of message #{k} from rank {peer}")
+            self._desc_n[peer] += 1
+            got[self._desc_n[peer]] = buf
+        return got.pop(k)
+
+    def settle(self, rec: int) -> None:
+        """The operation this rank waited in completed."""
+        self._cur, self._rec, self._pending = None, -1, None
         if rec >= 0 and self.recorder is not None:
             self.recorder.mark(rec, "completed")
 
-    def verify(self, ticket: Ticket, result: Any) -> None:
-        """In debug mode, raise unless every rank holds the same ``result`` (a host array).
-
-        Run after a collective whose result is identical on all ranks (all_reduce,
-        all_gather, broadcast): a CRC of the bytes is all-gathered over the control channel.
-        """
-        if self.mode != "debug" or self._control is None:
+    def verify(self, result: Any, seq: int) -> None:
+        """In debug mode, raise unless every rank holds the same ``result`` (a host array)."""
+        if self.mode != "debug" or self.control is None:
             return
         mine = np.array([zlib.crc32(np.ascontiguousarray(result).view(np.uint8))], np.int64)
         every = np.empty(self.size, np.int64)
-        self._control.all_gather(mine, every).wait(self.timeout)
+        self.wait_work(self.control.all_gather(mine, every), self.timeout, "the debug check")
         odd = [r for r in range(self.size) if every[r] != every[0]]
         if odd:
-            a = ticket.encoded
-            self._fail(f"debug check: after {describe(a)} in group {self.group} the result "
-                       f"differs between rank 0 (crc {every[0]}) and rank(s) {odd} (crc "
-                       f"{[int(every[r]) for r in odd]}); the transport returned different data "
-                       f"on different ranks", "mismatch", ticket.record, CollectiveMismatchError)
+            self.fail(f"debug check: after op #{seq} in group {self.group} the result differs "
+                      f"between rank 0 (crc {every[0]}) and rank(s) {odd} (crc "
+                      f"{[int(every[r]) for r in odd]}); the transport returned different "
+                      f"data on different ranks", CollectiveMismatchError)
 
-    # -- failure hooks ---------------------------------------------------------------------
+    # -- notes ------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Called every slice of a wait: announce the operation once, read the peers'
+        notes; raise when they show the ranks out of step (see the module docstring)."""
+        if self._probe is None or self.failed is not None:
+            return
+        cur = self._cur
+        if cur is not None and not self._announced:
+            self._announced = True
+            mine = self._encoded()
+            for q in range(self.size):
+                if q != self.rank:
+                    note = np.zeros(_NOTE, np.int64)
+                    note[:4] = (_WAIT, self.rank, self.sent[q], self.recvd[q])
+                    note[4:4 + FP_LEN] = mine
+                    self.post(note, q, TAG_NOTE)
+        self._read_notes()
+
+    def _read_notes(self) -> None:
+        assert self._probe is not None and self.control is not None
+        while (q := self._probe(None, TAG_NOTE)) is not None:
+            note = np.empty(_NOTE, np.int64)
+            self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
+            if note[0] == _ABORT:
+                text = bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode()
+                self.fail(f"rank {q} reported: {text}", _KINDS[int(note[2])], tell=False)
+            self._notes[q] = note
+            self._square(q, note)
+
+    def _encoded(self) -> np.ndarray:
+        assert self._cur is not None
+        template, seq, cseq, _ = self._cur
+        a = template.copy()
+        a[CSEQ], a[SEQ] = cseq, seq
+        return a
+
+    def _square(self, q: int, note: np.ndarray) -> None:
+        """Raise if ``q``'s note cannot be squared with what this rank is in."""
+        if self._cur is None:
+            return
+        theirs = note[4:4 + FP_LEN]
+        mine, r = self._encoded(), self.rank
+        q_op, my_op = int(theirs[OP]), int(mine[OP])
+        if int(theirs[CSEQ]) < int(mine[CSEQ]):
+            return  # stale: q has since passed the collective this rank passed
+        my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
+        if q_op in (SEND, RECV):
+            if int(theirs[DST] if q_op == SEND else theirs[SRC]) != r:
+                return
+            need = int(note[2] if q_op == SEND else note[3])  # q's message number with me
+            have = self.recvd[q] if q_op == SEND else self.sent[q]
+            if have >= need or (my_op in (SEND, RECV) and my_peer != q):
+                return  # this rank issued its side, or may still after its current op
+            side = "recvs from" if q_op == SEND else "sends to"
+            self.fail(f"point-to-point mismatch in group {self.group}: rank {q} waits in "
+                      f"{describe(theirs)} (its message #{need} with rank {r}) but rank {r} "
+                      f"is in {describe(mine)} and issued only {have} {side} rank {q}: a "
+                      f"send or recv was skipped or is in the wrong order. Fix: {_HINT}")
+        if my_op in (SEND, RECV):
+            if my_peer != q:
+                return
+            need = self._cur[3]
+            have = int(note[3] if my_op == SEND else note[2])
+            if have >= need:
+                return
+            self.fail(f"point-to-point mismatch in group {self.group}: rank {r} waits in "
+                      f"{describe(mine)} (its message #{need} with rank {q}) but rank {q} is "
+                      f"in {describe(theirs)} and issued only {have} matching ops with rank "
+                      f"{r}: a send or recv was skipped. Fix: {_HINT}")
+        elif int(theirs[CSEQ]) != int(mine[CSEQ]) or digest(theirs) != digest(mine):
+            self.fail(self.pair(r, mine, q, theirs))
+
+    def pair(self, a: int, mine: np.ndarray, b: int, theirs: np.ndarray,
+             kind: str = "collective") -> str:
+        """The mismatch message of rank ``a``'s fingerprint against rank ``b``'s."""
+        fields = diff(mine, theirs) or ["op"]
+        what = "; ".join(f"{f}: rank {a} has {render(mine, f)}, rank {b} has "
+                         f"{render(theirs, f)}" for f in fields)
+        return (f"{kind} mismatch in group {self.group} at collective "
+                f"#{int(mine[CSEQ])} between rank {a} ({describe(mine)}) and rank {b} "
+                f"({describe(theirs)}): differing fields {fields}: {what}. Fix: {_HINT}")
+
+    # -- failures ---------------------------------------------------------------------
+
+    def explain(self, rows: list[list[int]]) -> None:
+        """Every rank saw ``rows`` disagree: gather each rank's fingerprint and pair counts
+        on the control channel and raise the mismatch, naming ranks and fields."""
+        assert self.control is not None
+        n = self.size
+        mine = np.concatenate([self._encoded(), self.sent, self.recvd]).astype(np.int64)
+        table = np.empty((n, mine.size), np.int64)
+        try:
+            self.wait_work(self.control.all_gather(mine, table), 2.0, "the explanation")
+        except CommError:
+            self.fail(f"collective mismatch in group {self.group}: the ranks' checks differ "
+                      f"({rows}) and the fingerprints did not come within 2 s. Fix: {_HINT}")
+        fps = table[:, :FP_LEN]
+        sent, recvd = table[:, FP_LEN:FP_LEN + n], table[:, FP_LEN + n:]
+        keys = [(digest(f), int(f[CSEQ])) for f in fps]
+        ref = next(r for r in range(n) if keys[r] == Counter(keys).most_common(1)[0][0])
+        odd = [b for b in range(n) if keys[b] != keys[ref]]
+        if odd:
+            self.fail("; ".join(self.pair(ref, fps[ref], b, fps[b]) for b in odd))
+        pairs = [(a, b) for a in range(n) for b in range(n) if sent[a][b] != recvd[b][a]]
+        text = "; ".join(
+            f"rank {a} issued {sent[a][b]} sends to rank {b}, which issued {recvd[b][a]} "
+            f"recvs from rank {a}" + (" (both sent: a send met a send, differing field op)"
+                                      if sent[b][a] > recvd[a][b] and sent[a][b] > recvd[b][a]
+                                      else "") for a, b in pairs)
+        self.fail(f"point-to-point mismatch in group {self.group} before collective "
+                  f"#{int(fps[0][CSEQ])}: {text or rows}; a send without its recv (or a recv "
+                  f"without its send) was skipped. Fix: {_HINT}")
+
+    def late(self, what: str, limit: float) -> None:
+        """Raise the CommTimeoutError of a wait past ``limit`` s, naming the absent ranks."""
+        mine = self._encoded() if self._cur is not None else None
+        here = []
+        for q in range(self.size):
+            note = self._notes[q]
+            if (q != self.rank and note is not None and mine is not None
+                    and int(note[4 + CSEQ]) == int(mine[CSEQ])
+                    and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))):
+                here.append(q)
+        peers = [int(mine[SRC] if mine[OP] == RECV else mine[DST])] if (
+            mine is not None and int(mine[OP]) in (SEND, RECV)) else range(self.size)
+        missing = [q for q in peers if q != self.rank and q not in here]
+        seen = "; ".join(f"last seen from rank {q}: " + (
+            "nothing" if self._notes[q] is None else
+            f"waiting in {describe(self._notes[q][4:4 + FP_LEN])}")  # type: ignore[index]
+            for q in missing)
+        op = describe(mine) if mine is not None else what
+        if not missing:
+            self.fail(f"{op} on rank {self.rank} (group {self.group}): every rank is in it, "
+                      f"but {what} did not complete within {limit:g} s: a rank died or is "
+                      f"stuck inside the transport; if it is only slow, raise the timeout",
+                      CommTimeoutError)
+        self.fail(f"{op} on rank {self.rank} (group {self.group}): rank(s) {missing} did not "
+                  f"reach it within {limit:g} s ({seen}); they are stuck in compute, dead, "
+                  f"or waiting elsewhere; if they are only slow, raise the timeout",
+                  CommTimeoutError)
+
+    def fail(self, text: str, kind: type[Exception] = CollectiveMismatchError, rec: int = -1,
+             *, tell: bool = True, raise_now: bool = True) -> None:
+        """Fail the guard (every later operation raises ``kind``), tell the peers, dump the
+        flight recorder, and raise."""
+        if self.failed is None:
+            self.failed, self._failed_kind = text, kind
+            rec = rec if rec >= 0 else self._rec
+            if rec < 0 and self._pending is not None:
+                rec = self.record(*self._pending)
+            state = {CollectiveMismatchError: "mismatch", CommTimeoutError: "timeout"}.get(
+                kind, "failed")
+            if self.recorder is not None and rec >= 0:
+                self.recorder.mark(rec, state, text)
+            if tell and self.control is not None:
+                code = next((i for i, k in enumerate(_KINDS) if issubclass(kind, k)), 2)
+                data = text.encode()[:_TEXT]
+                for q in range(self.size):
+                    if q != self.rank:
+                        note = np.zeros(_NOTE, np.int64)
+                        note[:4] = (_ABORT, self.rank, code, 0)
+                        note[4 + FP_LEN:].view(np.uint8)[:len(data)] = np.frombuffer(data,
+                                                                                     np.uint8)
+                        try:
+                            self.post(note, q, TAG_NOTE)
+                        except CommError:
+                            break
+            try:
+                self.dump(reason=text)
+            except OSError as e:  # a failed dump must not hide the failure itself
+                self.failed = f"{text} (flight recorder dump failed: {e})"
+        if raise_now:
+            raise self._failed_kind(self.failed)
+
+    def dump(self, directory: str | os.PathLike[str] | None = None, *,
+             reason: str = "") -> Path | None:
+        """Write the flight recorder to ``directory`` (default ``trace_dir``); None if neither."""
+        where = directory if directory is not None else self.trace_dir
+        if self.recorder is None or where is None:
+            return None
+        self.dumped = True
+        return self.recorder.dump(where, self.world_rank, reason=reason)
 
     def close(self) -> None:
-        """Withdraw the control receives and free the requests (nothing is checked after)."""
-        if self._all:
-            self._channel.retire([r for p in self._all for r in p.ring],
-                                 [r for reqs in self._slot_reqs for r in reqs])
-        self._all = []
-        self._slot_buf = []
-        self._control = None
-        if self._failed is None:
-            self._failed, self._failed_kind = "it was closed", RuntimeError
-
-    # -- the fast path ---------------------------------------------------------------------
-
-    def _fast(self, work: Work, ticket: Ticket) -> bool:
-        """The common case of a collective, inline: the data completes within one slice and
-        every peer's next message is the agreeing descriptor. Return False to take the
-        general path (nothing is lost: what was consumed here was fully matched)."""
-        try:
-            work.wait(_SLICE_S)
-        except CommError:  # slow, or failed: the general path explains it
-            return False
-        a, n, same, rec = ticket.encoded, ticket.n, ticket.same, ticket.record
-        peers = self._all
-        arrived = False
-        if len(peers) > 1 and same is not None:  # one Testall for every peer's next message
-            arrived = self._channel.testall([p.ring[p.head] for p in peers])
-        for p in peers:
-            if p.coll_ok >= n:
-                continue
-            if (same is not None and not p.inbox and not p.sends and not p.recvs
-                    and p.colls and p.colls[0] is a):
-                head = p.head
-                if not arrived and not p.ring[head].Test():
-                    return False
-                buf = p.bufs[head]
-                p.head = (head + 1) % _DEPTH
-                p.idle += 1
-                if buf[_SAME].tobytes() == same and buf[_MSG_CSEQ] == ticket.cseq:
-                    p.last = ticket
-                    if p.idle >= _BATCH:
-                        self._restart(p)
-                    p.colls.popleft()
-                    p.coll_ok += 1
-                    continue
-                p.inbox.append(buf.copy())
-                self._loud = True
-                self._restart(p)
-            else:
-                self._pump(p)
-            if p.inbox:
-                self._advance(p, rec)
-            if p.coll_ok < n:
-                return False
-        return True
+        """Let the control messages still in flight go (up to 2 s), then release the
+        control channel; nothing is checked after."""
+        deadline = time.monotonic() + 2.0
+        while self._outbox and time.monotonic() < deadline:
+            self._outbox = [w for w in self._outbox if not w.test()]
+        control, self.control, self._probe = self.control, None, None
+        if control is not None and "finalize" in control.capabilities:
+            control.finalize()  # type: ignore[attr-defined]
+        if self.failed is None:
+            self.failed, self._failed_kind = "it was closed", RuntimeError

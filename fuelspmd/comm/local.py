@@ -23,7 +23,6 @@ a recv waits for its message (GPU buffers pass through host memory).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,51 +30,22 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.backend import Device, to_host, transfer
-from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError, PeerAbortedError
+from fuelspmd.backend import Device, Spares, to_host, transfer
+from fuelspmd.errors import (
+    CollectiveMismatchError,
+    CommTimeoutError,
+    ConfigError,
+    PeerAbortedError,
+)
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
 
-__all__ = ["LocalTransport", "local_group", "reuse"]
+__all__ = ["LocalTransport", "local_group"]
 
 CHUNK = 1 << 16  # elements per reduction chunk: 4 inputs and the sum (1.25 MiB) stay in L2
 
 _REDUCE: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
     ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-
-
-SPARE_MIN_BYTES = 1 << 18  # smaller buffers: malloc hands back warm memory anyway
-SPARE_KEYS = 4  # distinct (shape, dtype) a cache keeps, oldest dropped first
-SPARE_PER_KEY = 16  # buffers of one (shape, dtype) it keeps: the buckets of one step
-
-
-def reuse(cache: dict[Any, list[np.ndarray]], shape: tuple[int, ...], dt: Any) -> np.ndarray:
-    """A host buffer of ``shape`` and ``dtype``: a cached one that nothing refers to any
-    more (its reference count shows only the cache's list, this frame and the check: no
-    graph value, result or view holds it), else a new one, cached when large.
-
-    Fresh memory costs a page fault per 4 KiB, as much as the copy or reduction that fills
-    it; a training loop asks for the same sizes step after step. A step may hold several
-    at once (the buckets of its gradients, each result a view of its bucket until the
-    optimizer has read it), so each (shape, dtype) keeps a pool of up to ``SPARE_PER_KEY``:
-    with one buffer per key, 4 buckets of 1 MiB faulted in 2 fresh MiB every step, and the
-    step took 1.5x as long.
-    """
-    key = (shape, dt)
-    pool = cache.get(key)
-    if pool is not None:
-        for buf in pool:
-            if sys.getrefcount(buf) <= 3:
-                return buf
-    buf = np.empty(shape, dt)
-    if buf.nbytes >= SPARE_MIN_BYTES:
-        if pool is None:
-            pool = cache[key] = []
-            while len(cache) > SPARE_KEYS:
-                del cache[next(iter(cache))]
-        if len(pool) < SPARE_PER_KEY:
-            pool.append(buf)
-    return buf
 
 
 class _Job:
@@ -91,13 +61,13 @@ class _Job:
         self.finished = 0
 
 
-def _reduce_job(bufs: list[np.ndarray], op: ReduceOp, spare: dict[Any, list[np.ndarray]], *,
+def _reduce_job(bufs: list[np.ndarray], op: ReduceOp, spare: Spares, *,
                 shared: bool) -> _Job:
-    """Reduce host arrays of one shape into one array (from :func:`reuse`); results: that
+    """Reduce host arrays of one shape into one array (from the spares); results: that
     array for every rank (``shared``, read-only) or rank r's block of it (reduce_scatter)."""
     ufunc = _REDUCE[op]
     flat = [b.reshape(-1) for b in bufs]
-    out = reuse(spare, flat[0].shape, flat[0].dtype)
+    out = spare.take(flat[0].shape, flat[0].dtype)
     n = len(bufs)
     integer = np.issubdtype(out.dtype, np.integer)
 
@@ -146,7 +116,7 @@ class _Group:
         self.slots: dict[int, _Slot] = {}
         self.mail: dict[tuple[int, int, int], list[np.ndarray]] = {}
         self.gone: dict[int, str] = {}  # rank -> "returned" | "failed"
-        self.spare: dict[Any, list[np.ndarray]] = {}  # reduction outputs, reused once unreferenced
+        self.spare = Spares()  # reduction outputs, reused once unreferenced
 
     def _missing(self, present: Callable[[int], bool], what: str, seq: int) -> None:
         """Raise when a device we wait for has left; called with the lock held."""
@@ -335,7 +305,7 @@ def _gpu_reduce(xp: Any, bufs: list[Any], op: ReduceOp, *, shared: bool) -> list
     return [out] * n if shared else list(out.reshape(n, -1))
 
 
-def _reduce_any(bufs: list[Any], op: ReduceOp, spare: dict[Any, list[np.ndarray]], *,
+def _reduce_any(bufs: list[Any], op: ReduceOp, spare: Spares, *,
                 shared: bool) -> Any:
     """The reduction of one collective: on the GPUs when every buffer is on one, else on
     the host (a chunked job, buffers on a GPU staged to the host first)."""
@@ -388,10 +358,13 @@ class LocalTransport:
     returns a finished Work.
     """
 
+    name = "local"
+    tag_bound = 2**15 - 1  # MPI's least TAG_UB: a program that runs here runs on any MPI
+    capabilities = frozenset({"shared"})
+
     def __init__(self, group: _Group, rank: int) -> None:
         self._g = group
         self.rank, self.size = rank, group.n
-        self.name = "local"
 
     @staticmethod
     def _payload(buf: Any) -> Any:
@@ -402,8 +375,7 @@ class LocalTransport:
     def _fp(self, op: str, buf: Any, **more: Any) -> dict[str, Any]:
         return {"op": op, "shape": tuple(buf.shape), "dtype": str(buf.dtype), **more}
 
-    def all_reduce_shared(self, buf: Any, op: ReduceOp, timeout: float | None = None
-                          ) -> np.ndarray:
+    def all_reduce_shared(self, buf: Any, op: ReduceOp) -> np.ndarray:
         """Reduce once for the whole group; return the one read-only result every rank gets."""
         host = _host(buf)
 
@@ -456,12 +428,14 @@ class LocalTransport:
 
     def send(self, buf: Any, peer: int, tag: int) -> Work:
         check_peer("send", peer, self.size)
+        _check_tag("send", tag, self.tag_bound)
         check_buffers("send", self.size, buf)
         self._g.post((self.rank, int(peer), int(tag)), np.array(_host(buf), copy=True))
         return DONE
 
     def recv(self, buf: Any, peer: int, tag: int) -> Work:
         check_peer("recv", peer, self.size)
+        _check_tag("recv", tag, self.tag_bound)
         check_buffers("recv", self.size, buf)
         data = self._g.take((int(peer), self.rank, int(tag)))
         if data.size != buf.size or data.dtype != _host(buf).dtype:
@@ -491,6 +465,12 @@ class LocalTransport:
 
     def abort(self, code: int = 1) -> NoReturn:
         raise PeerAbortedError(f"{self._g.devices[self.rank]} aborted the group (code {code})")
+
+
+def _check_tag(op: str, tag: int, bound: int) -> None:
+    if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= bound:
+        raise ConfigError(f"{op}: tag {tag!r} is outside 0..{bound}, the tags an in-process "
+                          f"group takes; use a smaller non-negative tag")
 
 
 def local_group(devices: list[str], *, timeout: float) -> tuple[Any, list[LocalTransport]]:

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.backend import Device, to_host
-from fuelspmd.comm.local import reuse
 from fuelspmd.dtypes import DType, Shape, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError
@@ -32,7 +31,7 @@ from fuelspmd.graph import build as B
 from fuelspmd.graph.node import Node
 from fuelspmd.graph.op import Attrs, Op, register
 from fuelspmd.tensor import Tensor
-from fuelspmd.transport import DONE, ReduceOp, lent
+from fuelspmd.transport import DONE, ReduceOp
 
 __all__ = ["ALL_REDUCE", "Pending"]
 
@@ -76,8 +75,8 @@ def _lib(be: Any) -> Any:
 def _writable(be: Any, x: Any, donate: bool, comm: Any) -> Any:
     """A contiguous buffer the transport may overwrite: ``x`` itself only when donated.
 
-    Otherwise a copy, into a buffer from :func:`~fuelspmd.comm.local.reuse` (the
-    communicator's last one of that shape and dtype when nothing refers to it any more).
+    Otherwise a copy, into one of the communicator's spare buffers (one of that shape and
+    dtype that nothing refers to any more, :class:`~fuelspmd.backend.Spares`).
     """
     if be.kind == "cuda":
         return x if donate and x.flags.c_contiguous else be.lib.array(x, order="C", copy=True)
@@ -91,7 +90,7 @@ def _writable(be: Any, x: Any, donate: bool, comm: Any) -> Any:
 
 
 def _spare(comm: Any, shape: Shape, dt: Any) -> np.ndarray:
-    return reuse(comm._spare, tuple(shape), dt)
+    return comm._spare.take(shape, dt)
 
 
 def _readable(be: Any, x: Any) -> Any:
@@ -150,7 +149,7 @@ def _differentiable(op: str, rop: ReduceOp) -> None:
 # ---- all_reduce ---------------------------------------------------------------------------
 def _lent(comm: Any, nbytes: int, dt: Any) -> np.ndarray | None:
     """The transport's free shared area for an all_reduce of ``nbytes`` of ``dt`` (uint8),
-    or None (see ``window_buffer`` of the MPI transport): an input placed there is reduced
+    or None (the transport's ``lend`` capability): an input placed there is reduced
     where it lies and its result stays there, so ``x = comm.all_reduce(x)`` step after
     step, or a bucket, copies nothing in or out. The transport answers the same on every
     rank but whether the area is free, which only picks where the input goes."""
@@ -160,9 +159,9 @@ def _lent(comm: Any, nbytes: int, dt: Any) -> np.ndarray | None:
 def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
     comm, rop = attrs[0], attrs[2]
     if comm._shared is not None and be.kind != "cuda":
-        out = comm._shared(x if be.kind == "cpu" else to_host(x), rop, comm.timeout)
+        out = comm._shared(x if be.kind == "cpu" else to_host(x), rop)
         return Pending(comm, DONE, lambda: _back(be, out))
-    if type(x) is np.ndarray and not (donate and lent(x)):
+    if type(x) is np.ndarray and not (donate and comm._lent is not None and comm._lent(x)):
         # an input already in a lent area is donated as it is (asking for an area would
         # only make the transport add one more)
         area = _lent(comm, x.nbytes, x.dtype)
@@ -206,7 +205,7 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any], shapes: list[Any] |
         flat = lib.concatenate([x.reshape(-1) for x in xs], out=flat)
     del xs  # the transport reads the bucket, not the inputs: let them go
     if comm._shared is not None and be.kind != "cuda":
-        flat, work = comm._shared(flat, rop, comm.timeout), DONE
+        flat, work = comm._shared(flat, rop), DONE
     else:
         work = comm.transport.all_reduce(flat, rop)
 

@@ -16,7 +16,7 @@ more ranks than cores are busy (see :class:`fuelspmd.topology.Node`). ``regimes`
 version 2) are the per-size-band numbers :mod:`fuelspmd.cost.regimes` describes; give them
 to the model with :func:`calibrated_model`.
 
-Its place: the ``path`` argument, else ``$FUELSPMD_CALIBRATION``, else
+Its place: the ``path`` argument (``fs.init(calibration=...)`` passes it on), else
 ``$XDG_CACHE_HOME/fuelspmd/calibration.json`` (``~/.cache`` when XDG_CACHE_HOME is unset).
 """
 
@@ -43,9 +43,6 @@ def calibration_path(path: str | Path | None = None) -> Path:
     """The calibration file to read or write (see the module docstring for the order)."""
     if path is not None:
         return Path(path)
-    env = os.environ.get("FUELSPMD_CALIBRATION")
-    if env:
-        return Path(env)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "fuelspmd" / "calibration.json"
 

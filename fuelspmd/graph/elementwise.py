@@ -37,6 +37,7 @@ def _const_kernel(be: Any, attrs: Attrs) -> Any:
 
 
 register(Op("leaf", _no_rule, None, kind="leaf"))
+register(Op("donated", _no_rule, None, kind="donated"))  # a consumed donated leaf
 register(Op("const", _const_rule, _const_kernel, kind="const"))
 
 

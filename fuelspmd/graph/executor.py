@@ -19,9 +19,7 @@ so it leaves ``runs``, ``peak_bytes`` and the cache counters as they were.
 
 from __future__ import annotations
 
-import gc
 import math
-import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -29,10 +27,9 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.backend import get_backend
-from fuelspmd.transport import lent
 
 from .fused import run_generic
-from .node import Node, mark_realised
+from .node import Node, consume, mark_realised
 from .passes import lower, optimise
 from .plan import Plan, Step, make_plan, take_bucket
 
@@ -93,31 +90,6 @@ class _Key:
     def __eq__(self, other: object) -> bool:
         return self is other or (isinstance(other, _Key) and self.h == other.h
                                  and self.key == other.key)
-
-
-def _dead_leaf(x: Node) -> bool:
-    """Whether realised ``x`` is seen by nothing but the one node about to consume it.
-
-    The reference counts show only that node's input tuple for ``x`` and only ``x`` for
-    its buffer (besides this frame and the count's own argument): no Tensor, no other
-    node, no caller's variable and no view holds either. Such a buffer may be overwritten
-    by an in-place collective (its result takes the buffer over), which saves the copy of
-    the input. Only a numpy array that owns its memory qualifies (a view would share it
-    with its base), or a view of an area lent by a transport (:func:`_lent_view`).
-    """
-    buf = x.buffer
-    return (sys.getrefcount(x) <= 3 and type(buf) is np.ndarray
-            and (buf.base is None or _lent_view(buf))
-            and sys.getrefcount(buf) <= 3 and buf.flags.writeable and buf.flags.c_contiguous)
-
-
-def _lent_view(buf: np.ndarray) -> bool:
-    """Whether ``buf`` is the only view of an array made over a memoryview of another
-    array, as a transport lends its shared window (``window_buffer``): nothing else refers
-    to that array, so nothing else sees the memory but its lender, which writes it only as
-    the buffer of the collective it is lent for."""
-    base = buf.base
-    return lent(buf) and sys.getrefcount(base) <= 3  # buf.base, base, arg
 
 
 def _direct(targets: list[Node]) -> list[Node] | None:
@@ -219,14 +191,18 @@ def _run_direct(order: list[Node], backends: dict[str, Any]) -> None:
                     [x.buffer for m in run for x in m.inputs[:k]])
             in_flight[comm] = (op.bucket(be, node.attrs, data), run)
             del data
+            _consume_donated(run)
         else:
             ins = node.inputs
-            donate = bool(op.inplace_ok) and bool(ins) and _dead_leaf(ins[0])
+            donate = bool(op.inplace_ok) and bool(ins) and ins[0].donated
             args = [x.buffer for x in ins]
-            del ins
             pending = (op.start(be, node.attrs, *args, donate=True) if donate
                        else op.start(be, node.attrs, *args))
             del args
+            for x in ins:
+                if x.donated:
+                    consume(x)
+            del ins
             in_flight[comm] = (pending, run)
         del run
     for pending, run in in_flight.values():
@@ -290,8 +266,17 @@ def _run_bucket(targets: list[Node], backends: dict[str, Any]) -> bool:
         be = backends[head.device.kind] = get_backend(head.device.kind)
     pending = head.op.bucket(be, head.attrs, bufs, shapes, total)
     del bufs  # the transport reads the bucket, not the inputs: let them go
+    _consume_donated(targets)
     _finish(pending, targets)
     return True
+
+
+def _consume_donated(run: list[Node]) -> None:
+    """Invalidate the donated leaves the collectives of ``run`` read (see node.consume)."""
+    for m in run:
+        for x in m.inputs:
+            if x.donated:
+                consume(x)
 
 
 def _finish(pending: Any, run: list[Node]) -> None:
@@ -357,29 +342,20 @@ class Executor:
         Effectful nodes (collectives) under the targets become targets too, appended to
         ``targets`` in place: each runs once, so each must keep its result.
         """
-        # Lowering and optimising make many objects and no reference cycles: a cyclic
-        # collection here would only rescan the heap (CPython's 25% rule fires on big
-        # graphs), so it waits until the plan is made.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            effects: list[Node] = []
-            sigs, leaves, outs = lower(targets, effects)
-            if effects:
-                known = {id(t) for t in targets}
-                extra = [e for e in effects if id(e) not in known]
-                if extra:
-                    targets.extend(extra)
-                    sigs, leaves, outs = lower(targets)
-            key = _Key(sigs, outs)
-            plan = self.cache.get(key)
-            if plan is None:
-                ir, new_outs, leaf_pos = optimise(sigs, outs)
-                plan = make_plan(ir, new_outs, leaf_pos)
-                self.cache.put(key, plan)
-        finally:
-            if enabled:
-                gc.enable()
+        effects: list[Node] = []
+        sigs, leaves, outs = lower(targets, effects)
+        if effects:
+            known = {id(t) for t in targets}
+            extra = [e for e in effects if id(e) not in known]
+            if extra:
+                targets.extend(extra)
+                sigs, leaves, outs = lower(targets)
+        key = _Key(sigs, outs)
+        plan = self.cache.get(key)
+        if plan is None:
+            ir, new_outs, leaf_pos = optimise(sigs, outs)
+            plan = make_plan(ir, new_outs, leaf_pos)
+            self.cache.put(key, plan)
         return plan, leaves
 
     def realize(self, nodes: Iterable[Node]) -> None:
@@ -404,6 +380,9 @@ class Executor:
             return
         plan, leaves = self.plan(targets)
         arrays = self.run(plan, leaves)
+        for node in leaves:
+            if node.donated:
+                consume(node)
         for node, arr in zip(targets, arrays):
             mark_realised(node, arr)
 

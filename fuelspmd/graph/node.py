@@ -22,18 +22,19 @@ from typing import Any
 from fuelspmd.backend import Device
 from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
-from fuelspmd.errors import DeviceError
+from fuelspmd.errors import ConfigError, DeviceError
 
 from .op import Attrs, Op, get_op
 
-__all__ = ["Node", "array_dtype", "canonical", "const", "leaf", "make", "mark_realised"]
+__all__ = ["Node", "array_dtype", "canonical", "const", "consume", "leaf", "make",
+           "mark_realised"]
 
 
 class Node:
     """One value of the graph; see the module docstring."""
 
-    __slots__ = ("__weakref__", "attrs", "buffer", "device", "dtype", "inputs", "key", "op",
-                 "shape")
+    __slots__ = ("__weakref__", "attrs", "buffer", "device", "donated", "dtype", "inputs", "key",
+                 "op", "shape")
 
     def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: Attrs, shape: Shape,
                  dtype: DType, device: Device, buffer: Any = None) -> None:
@@ -45,6 +46,7 @@ class Node:
         self.device = device
         self.buffer = buffer
         self.key: tuple[Any, ...] | None = None
+        self.donated = False  # a leaf the caller gave up: the next realise may write it
 
     @property
     def realised(self) -> bool:
@@ -120,6 +122,22 @@ def mark_realised(node: Node, buffer: Any) -> None:
     node.key = None
     node.buffer = buffer
     node.inputs = ()
+
+
+def consume(node: Node) -> None:
+    """Invalidate a donated leaf that a realise read: its buffer may have been written, so
+    it has no value any more, and using it raises (see :func:`check_live`)."""
+    node.buffer = None
+    node.donated = False
+    node.op = get_op("donated")
+
+
+def check_live(node: Node) -> None:
+    """Raise ConfigError for a donated tensor that a realise consumed."""
+    if node.op.kind == "donated":
+        raise ConfigError(f"a tensor of shape {node.shape} {node.dtype} was donated (its "
+                          "buffer given to a realise, which may have written it) and has no "
+                          "value any more; use the result of the operation it was donated to")
 
 
 _ARRAY_DTYPES: dict[type, dict[Any, DType]] = {}  # per library's dtype class: no mixing

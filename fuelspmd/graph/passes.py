@@ -14,7 +14,7 @@ from typing import Any
 from fuelspmd.backend import Device, get_backend
 from fuelspmd.dtypes import DType, Shape
 
-from .node import Node, array_dtype
+from .node import Node, array_dtype, check_live
 from .op import Attrs, Op, get_op
 
 __all__ = ["FOLD_LIMIT", "Instr", "lower", "optimise"]
@@ -72,9 +72,12 @@ def lower(targets: list[Node], effects: list[Node] | None = None
             if node.buffer is not None:
                 pop()
                 index[id(node)] = len(sigs)
-                add_sig((leaf_op, (), (), node.shape, node.dtype, node.device))
+                add_sig((leaf_op, (), (True,) if node.donated else (), node.shape, node.dtype,
+                         node.device))
                 add_leaf(node)
                 continue
+            if not node.inputs:
+                check_live(node)
             ins = node.inputs
             waiting = [x for x in ins if id(x) not in index]
             if waiting:
@@ -172,7 +175,7 @@ def optimise(sigs: list[Sig], outs: tuple[int, ...]) -> tuple[list[Instr], tuple
         if op.kind == "leaf":
             remap.append(len(ir))
             leaf_slots.append(len(ir))
-            ir.append(Instr(op, (), (), shape, dt, dev))
+            ir.append(Instr(op, (), attrs, shape, dt, dev))  # attrs (True,): donated
             continue
         ins = Instr(op, tuple(remap[i] for i in ins_old), attrs, shape, dt, dev)
         for _ in range(4):  # a rewrite may enable another (reshape of reshape of reshape)

@@ -391,6 +391,7 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
     n = len(ir)
     storage = list(range(n))
     owned = [False] * n
+    donated = [ins.op.kind == "leaf" and ins.attrs == (True,) for ins in ir]  # may be written
     for s in steps:
         if s.instr.op.kind == "view":
             storage[s.out] = storage[s.ins[0]]
@@ -413,14 +414,15 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             donors: set[int] = set()
             if s.backend.kind == "cpu":
                 aliases = Counter(storage[u] for u in s.ins)
-                donors = {u for u in s.ins if storage[u] == u and owned[u] and not pinned[u]
+                donors = {u for u in s.ins if storage[u] == u and (owned[u] or donated[u])
+                          and not pinned[u]
                           and store_last[u] == i and aliases[u] == 1
                           and ir[u].shape == s.instr.shape}
             _compile_fused(ir, s, donors)
         elif s.kind in ("collective", "start") and s.instr.op.inplace_ok and s.ins:
             u = s.ins[0]
             ends = s.pair if s.kind == "start" else i  # the input lives until the wait
-            s.donate = (storage[u] == u and owned[u] and not pinned[u]
+            s.donate = (storage[u] == u and (owned[u] or donated[u]) and not pinned[u]
                         and store_last[u] == ends and sum(storage[x] == u for x in s.ins) == 1)
     # simulate the pool: a released buffer is kept only for a later allocation of its key
     remaining: dict[PoolKey, int] = {}

@@ -28,10 +28,13 @@ notice, and where the launcher does not (a plain ``srun``), the ranks on its nod
 its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`). docs/reliability.md has
 the measured matrix.
 
-With ``init(trace_dir=DIR)`` each rank's flight recorder (the last operations of
-``world.comm`` and every communicator split from it) is written to ``DIR/rank<R>.json`` on a
-collective timeout, a mismatch, or an abort by the crash handler (just before the abort),
-and ``fuelspmd trace DIR`` lines the ranks up.
+``world.transport`` is checked (:class:`~fuelspmd.comm.GuardedTransport`, the mode of
+``init(check=...)``): no rank hands MPI a collective its peers disagree on. Only
+``check="off"`` gives the unchecked transport. With ``init(trace_dir=DIR)`` each rank's
+flight recorder (the last operations of ``world.transport`` and every transport and
+communicator split from it) is written to ``DIR/rank<R>.json`` on a collective timeout, a
+mismatch, or an abort by the crash handler (just before the abort), and ``fuelspmd trace
+DIR`` lines the ranks up.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ from threadpoolctl import threadpool_limits
 from fuelspmd.backend import Device, cuda_device_count
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm.communicator import Communicator
+from fuelspmd.comm.guard import MODES
 from fuelspmd.comm.guarded import GuardedTransport
 from fuelspmd.comm.recorder import Recorder
+from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
@@ -82,9 +87,11 @@ class World:
     nodes: list[str]  # host name of every rank, indexed by rank
     launcher: str
     device: Device
-    transport: Transport
+    transport: Transport  # checked (a GuardedTransport) unless init(check="off")
     timeout: float
     trace_dir: str | None = None  # where the flight recorder is dumped on a failure
+    check: str = "default"  # the guard's mode (init(check=...))
+    calibration: str | None = None  # the cost model's calibration file (init(calibration=...))
     threads: int | None = None  # BLAS/OpenMP threads this rank was limited to; None: untouched
     _hooks: tuple[Any, ...] | None = field(default=None, repr=False)
     _watch: PeerWatch | None = field(default=None, repr=False)
@@ -92,21 +99,9 @@ class World:
 
     @property
     def comm(self) -> Communicator:
-        """The world's lazy Communicator, over the guarded world transport.
-
-        Made on first use, and that first use is collective (the guard splits a control
-        channel off the transport): every rank must touch ``world.comm`` at the same point.
-        A size-1 world needs no guard. With a ``trace_dir`` the guard keeps a flight recorder
-        (one ring shared with the communicators split from this one), dumped there on a
-        failure; without one it records nothing (a deque append and a timestamp per op).
-        """
+        """The world's lazy Communicator, over the (checked) world transport."""
         if self._comm is None:
-            seam: Transport = self.transport
-            if self.size > 1:
-                recorder = Recorder() if self.trace_dir is not None else None
-                seam = GuardedTransport(seam, timeout=self.timeout, recorder=recorder,
-                                        trace_dir=self.trace_dir)
-            self._comm = Communicator(seam, device=self.device, timeout=self.timeout)
+            self._comm = Communicator(self.transport, device=self.device, timeout=self.timeout)
         return self._comm
 
     @property
@@ -116,10 +111,9 @@ class World:
 
     def dump_trace(self, *, reason: str = "") -> Path | None:
         """Write this rank's flight recorder to ``trace_dir``; None without one (or no comm)."""
-        guard = getattr(self._comm.transport, "guard", None) if self._comm is not None else None
-        if guard is None or self.trace_dir is None:
+        if not isinstance(self.transport, GuardedTransport) or self.trace_dir is None:
             return None
-        return guard.dump(reason=reason)
+        return self.transport.guard.dump(reason=reason)
 
     def finalize(self) -> None:
         """Release the transport and the crash handler; a later ``init()`` starts afresh."""
@@ -130,14 +124,9 @@ class World:
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
-        if self._comm is not None:
-            close_guard = getattr(self._comm.transport, "close", None)
-            if close_guard is not None:
-                close_guard()
-            self._comm = None
-        close = getattr(self.transport, "finalize", None)
-        if close is not None:
-            close()
+        self._comm = None
+        if "finalize" in self.transport.capabilities:
+            self.transport.finalize()  # type: ignore[attr-defined]
         if _WORLD is self:
             _WORLD = None
 
@@ -145,15 +134,26 @@ class World:
 _WORLD: World | None = None  # init() is idempotent: the process has one world
 
 
-def init(*, transport: str = "auto", device: str | Device = "auto",
-         timeout: float = 600.0, trace_dir: str | os.PathLike[str] | None = None) -> World:
+ALL_REDUCE = ("auto", "mpi", "shm", "hierarchical")
+
+
+def init(*, transport: str = "auto", device: str | Device = "auto", timeout: float = 600.0,
+         check: str = "default", all_reduce: str = "auto",
+         calibration: str | os.PathLike[str] | None = None,
+         trace_dir: str | os.PathLike[str] | None = None) -> World:
     """Start (or return) this process's World.
 
     ``transport``: "auto" (under a launcher NCCL when the rank's device is a CUDA GPU and
     the nccl plugin can run, else MPI; the size-1 transport otherwise), or a plugin name
     such as "mpi" or "nccl". ``device``: "auto" (``cuda:<local_rank % gpus>`` when cupy
     sees a GPU, else ``cpu:0``) or a device string. ``timeout``: seconds every blocking
-    wait may take before it raises CommTimeoutError. ``trace_dir``: a directory (created
+    wait may take before it raises CommTimeoutError. ``check``: the guard's mode,
+    "default" (every collective compared before its data moves), "debug" (also a CRC of
+    every result that must be alike) or "off" (the unchecked transport). ``all_reduce``:
+    how the MPI transport reduces, "auto" (the calibrated cost model chooses per size),
+    "mpi" (MPI's own), "shm" (shared memory where the ranks share it) or "hierarchical".
+    ``calibration``: the cost model's calibration file (default: where ``fuelspmd bench
+    calibrate`` writes it). ``trace_dir``: a directory (created
     when first written) for the flight-recorder dumps, one ``rank<R>.json`` per rank, written
     on a collective timeout or mismatch and by the crash handler before it aborts; read
     them with ``fuelspmd trace DIR``. None (the default) writes nothing.
@@ -164,13 +164,18 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     if not timeout > 0:
         raise ConfigError(f"init(timeout={timeout}): the timeout must be a positive number "
                           "of seconds, e.g. 600")
+    if check not in MODES:
+        raise ConfigError(f"init(check={check!r}): use one of {list(MODES)}")
+    if all_reduce not in ALL_REDUCE:
+        raise ConfigError(f"init(all_reduce={all_reduce!r}): use one of {list(ALL_REDUCE)}")
     info = detect_launcher()
     with _startup_deadline(info, timeout):
         seam = _start_transport(transport, info, timeout, device)
     check_world(seam, info)
     world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
                   nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
-                  timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir))
+                  timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir),
+                  check=check, calibration=None if calibration is None else os.fspath(calibration))
     if seam.size > 1:
         # from here on an exception on one rank ends the job, so a check below that fails
         # on some ranks only cannot leave the others blocked
@@ -181,10 +186,15 @@ def init(*, transport: str = "auto", device: str | Device = "auto",
     world.local_rank = local_rank(world.nodes, launcher_local, seam.rank, info.launcher)
     world.device = _pick_device(device, world.local_rank, seam)
     world.threads = _share_cores(world.local_size)
-    if seam.size > 1 and hasattr(seam, "set_all_reduce_policy"):
-        _plan_all_reduce(world)
+    if seam.size > 1 and "route" in seam.capabilities:
+        _plan_all_reduce(world, seam, all_reduce)
     if seam.size > 1:
         world._watch = PeerWatch.start(world, timeout)
+    if seam.size > 1 and check != "off":  # from here on every collective of the job counts
+        world.transport = GuardedTransport(
+            seam, mode=check, timeout=timeout, world_rank=seam.rank,
+            recorder=Recorder() if world.trace_dir is not None else None,
+            trace_dir=world.trace_dir)
     _WORLD = world
     return world
 
@@ -204,9 +214,7 @@ def _start_transport(name: str, info: LaunchInfo, timeout: float,
     reason = plugin.unavailable_reason()
     if reason is not None:
         raise TransportUnavailableError(f"transport {name!r} cannot run here: {reason}")
-    if device != "auto" and getattr(plugin, "takes_device", False):
-        return plugin.world(timeout=timeout, device=as_device(device))  # type: ignore[call-arg]
-    return plugin.world(timeout=timeout)
+    return plugin.world(timeout=timeout, device=None if device == "auto" else as_device(device))
 
 
 def _nccl_for(device: str | Device) -> bool:
@@ -243,24 +251,28 @@ def _startup_deadline(info: LaunchInfo, timeout: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
-def _plan_all_reduce(world: World) -> None:
-    """Let the calibrated cost model choose the transport's all-reduce per size.
+def _plan_all_reduce(world: World, seam: Transport, algorithm: str) -> None:
+    """Set the transport's all-reduce route: ``algorithm``, or with "auto" the calibrated
+    cost model's choice per size.
 
-    Collective. The plan comes from this machine's calibration (``fuelspmd bench
-    calibrate``; defaults without one) and the detected topology; the transport checks that
-    every rank planned the same bands. Ranks that read different calibration files do not
-    (each has its own view), and since they all judge the same gathered table they all
-    fall back to MPI's own all-reduce together, with a warning naming the fix.
-    ``$FUELSPMD_ALL_REDUCE=mpi`` turns the choice off.
+    Collective. The plan comes from the calibration file (``init(calibration=...)``, else
+    this machine's, else defaults) and the detected topology; the transport checks that
+    every rank planned the same bands. Ranks that read different calibration files do not,
+    and since they all judge the same gathered table they all fall back to MPI's own
+    all-reduce together, with a warning naming the fix.
     """
+    if algorithm != "auto":
+        seam.set_all_reduce_policy(algorithm=algorithm)  # type: ignore[attr-defined]
+        return
     try:
-        world.transport.set_all_reduce_policy(  # type: ignore[attr-defined]
-            algorithm="auto", planner=planner_for(world))
+        seam.set_all_reduce_policy(  # type: ignore[attr-defined]
+            algorithm="auto", planner=planner_for(
+                world, calibration=load_calibration(world.calibration)))
     except CollectiveMismatchError as e:
         warnings.warn(f"fs.init: the ranks planned different all-reduce algorithms ({e}); "
                       "using MPI's own all-reduce. Give every rank the same calibration "
-                      "file ($FUELSPMD_CALIBRATION)", RuntimeWarning, stacklevel=3)
-        world.transport.set_all_reduce_policy(algorithm="mpi")  # type: ignore[attr-defined]
+                      "file (init(calibration=...))", RuntimeWarning, stacklevel=3)
+        seam.set_all_reduce_policy(algorithm="mpi")  # type: ignore[attr-defined]
 
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -291,8 +303,7 @@ def _pick_device(device: str | Device, local_rank: int,
                  seam: Transport | None = None) -> Device:
     if device != "auto":
         return as_device(device)
-    bound = getattr(seam, "device", None)  # a device transport (nccl) chose its GPU already
-    if isinstance(bound, Device):
-        return bound
+    if seam is not None and "device" in seam.capabilities:  # nccl chose its GPU already
+        return seam.device  # type: ignore[attr-defined,no-any-return]
     gpus = cuda_device_count()
     return Device("cuda", local_rank % gpus) if gpus else Device("cpu", 0)

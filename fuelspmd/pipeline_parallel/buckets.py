@@ -101,10 +101,11 @@ class ClockedTransport:
     def __init__(self, transport: Transport) -> None:
         self.inner = transport
         self.name, self.rank, self.size = transport.name, transport.rank, transport.size
+        self.tag_bound = transport.tag_bound
+        self.capabilities = transport.capabilities & {"lend"}
         self.log: list[list[float]] = []
-        lend = getattr(transport, "window_buffer", None)  # optional: the shared window
-        if lend is not None:
-            self.window_buffer = lend
+        if "lend" in self.capabilities:
+            self.lend, self.lent = transport.lend, transport.lent  # type: ignore[attr-defined]
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Work:
         stamp = [time.perf_counter()]

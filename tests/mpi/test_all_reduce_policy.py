@@ -22,7 +22,6 @@ import pytest
 
 from fuelspmd.cost import CostModel
 from fuelspmd.cost.policy import all_reduce_planner, plan_all_reduce
-from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Link, Topology
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
@@ -105,23 +104,6 @@ def test_the_transport_runs_the_plan(t: Any, monkeypatch: pytest.MonkeyPatch) ->
     np.testing.assert_allclose(y, reference(t.size, 1 << 17, "float32") / t.size, rtol=1e-5,
                                atol=1e-5)
     assert t.all_reduce_algorithm(1 << 20, "float16") == "mpi"
-
-
-def test_env_overrides_the_model(t: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUELSPMD_ALL_REDUCE", "mpi")
-    assert t.set_all_reduce_policy(algorithm="auto",
-                                   planner=all_reduce_planner(declared(t.size), llc=0)) == "mpi"
-    for nbytes in SIZES:
-        assert t.all_reduce_algorithm(nbytes) == "mpi"
-    if t.size > 1:
-        assert "$FUELSPMD_ALL_REDUCE=mpi" in t.explain_all_reduce(1 << 20)
-    assert t.shared_window_bytes == 0
-    monkeypatch.setenv("FUELSPMD_ALL_REDUCE", "ring")
-    with pytest.raises(ConfigError, match="FUELSPMD_ALL_REDUCE"):
-        t.set_all_reduce_policy(algorithm="auto", planner=all_reduce_planner(declared(t.size)))
-    monkeypatch.delenv("FUELSPMD_ALL_REDUCE")
-    with pytest.raises(ConfigError, match="needs planner"):
-        t.set_all_reduce_policy(algorithm="auto")
 
 
 def test_manual_hierarchical_and_what_cannot_apply(t: Any) -> None:

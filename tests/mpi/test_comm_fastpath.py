@@ -1,11 +1,11 @@
-"""The fast paths of a realised collective: donation of a dead leaf, and what it must not touch.
+"""Donation: a leaf the caller gave up (``Tensor.donate``) may be written in place by a
+collective, and nothing else the caller holds ever is.
 
 Run on every rank: ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi/test_comm_fastpath.py``
 (N = 2..4; at one rank a collective returns its input and there is nothing to donate).
-A leaf whose Tensor, array and views nobody else holds may be overwritten by the in-place
-transport op (``x = comm.all_reduce(x)`` reuses one buffer, as ``Allreduce(IN_PLACE)``
-does); any other reference (the caller's array, a Tensor, a view, a pending node) forces
-the copy, so no caller ever sees its data change.
+``x = comm.all_reduce(x.donate())`` reuses one buffer, as ``Allreduce(IN_PLACE)`` does;
+without ``donate`` (the caller's array, a Tensor, a view, a pending node) the collective
+works on a copy, so no caller sees its data change; a donated tensor is spent.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def test_a_dead_leaf_is_donated_and_the_sums_are_right(world: fs.World) -> None:
     x = fs.tensor(np.full(N, world.rank + 1.0, np.float32))
     addrs = [x.node.buffer.__array_interface__["data"][0]]
     for _ in range(3):
-        x = comm.all_reduce(x)
+        x = comm.all_reduce(x.donate())
         x.realize()
         addrs.append(x.node.buffer.__array_interface__["data"][0])
     # no copy was made: where the transport reduces this size in shared memory
-    # (FUELSPMD_ALL_REDUCE=shm), the leaf moves once into a lent area (made on every rank
+    # (init(all_reduce="shm")), the leaf moves once into a lent area (made on every rank
     # at the end of the first all_reduce of its size, which asked for it) and stays there
     moves = [k for k in range(1, len(addrs)) if addrs[k] != addrs[k - 1]]
     assert moves in ([], [1], [2]), addrs
@@ -53,7 +53,7 @@ def test_a_broadcast_of_a_dead_leaf_is_donated(world: fs.World) -> None:
     comm = world.comm
     x = fs.tensor(np.arange(N, dtype=np.float64) * (world.rank + 1))
     addr = x.node.buffer.__array_interface__["data"][0]
-    x = comm.broadcast(x, root=world.size - 1)
+    x = comm.broadcast(x.donate(), root=world.size - 1)
     x.realize()
     assert x.node.buffer.__array_interface__["data"][0] == addr
     np.testing.assert_array_equal(x.numpy(), np.arange(N, dtype=np.float64) * world.size)
@@ -87,3 +87,22 @@ def test_a_held_tensor_a_view_or_a_pending_reader_forces_the_copy(world: fs.Worl
     s.realize()
     np.testing.assert_array_equal(doubled.numpy(), np.full(N, 2 * mine, np.float32))
     np.testing.assert_array_equal(s.numpy(), np.full(N, _total(world.size), np.float32))
+
+
+def test_a_donated_tensor_is_spent_and_only_writable_arrays_can_be_donated(
+        world: fs.World) -> None:
+    comm = world.comm
+    x = fs.tensor(np.full(N, 1.0, np.float32))
+    y = comm.all_reduce(x.donate())
+    y.realize()
+    with pytest.raises(fs.ConfigError, match="donated"):
+        x.numpy()
+    with pytest.raises(fs.ConfigError, match="donated"):
+        (x + 1).realize()
+    frozen = np.ones(N, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(fs.ConfigError, match="writable C-contiguous"):
+        fs.tensor(frozen).donate()
+    with pytest.raises(fs.ConfigError, match="writable C-contiguous"):
+        fs.tensor(np.ones((N, 2), np.float32)[:, 0]).donate()
+    np.testing.assert_array_equal(y.numpy(), np.full(N, world.size, np.float32))

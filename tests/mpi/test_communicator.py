@@ -113,3 +113,23 @@ def test_mismatch_through_world_comm_raises_on_every_rank(world: fs.World) -> No
             y.numpy()
     finally:
         sub.transport.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(30)
+def test_world_transport_is_checked_before_any_data_moves(world: fs.World) -> None:
+    """``world.transport`` (the first API the quickstart shows) is the checked transport:
+    ranks all-reducing 1,024 and 2,048 floats raise on every rank, before MPI sees the
+    mismatched calls, and every buffer is as its rank left it. (On a split, closed
+    afterwards, so the world's own guard stays clean.)"""
+    from fuelspmd.comm import GuardedTransport
+
+    assert isinstance(world.transport, GuardedTransport) and world.check == "default"
+    sub = world.transport.split(0, world.rank)
+    try:
+        buf = np.full(1024 * (1 + (sub.rank == 1)), 3.0, np.float32)
+        with pytest.raises(CollectiveMismatchError, match="shape"):
+            sub.all_reduce(buf, "sum").wait()
+        np.testing.assert_array_equal(buf, 3.0)
+    finally:
+        sub.close()

@@ -64,7 +64,7 @@ def test_mixed_collectives_realised_in_reverse(world: fs.World) -> None:
 
 
 def test_results_placed_in_the_shared_window_are_right_and_kept(world: fs.World) -> None:
-    """Where the transport reduces in shared memory (``window_buffer``), the graph puts the
+    """Where the transport reduces in shared memory (the transport's ``lend``), the graph puts the
     input there: ``x = comm.all_reduce(x)`` then runs in place step after step (from the
     second: the first asks for the size's area, which its call adds), a result still held
     keeps its values while the next all_reduces run, and a bucket is reduced in the window
@@ -73,13 +73,13 @@ def test_results_placed_in_the_shared_window_are_right_and_kept(world: fs.World)
     comm = fs.Communicator(t, device=world.device, timeout=TIMEOUT, bucket_bytes=4 << 20)
     r, n = comm.rank, comm.size
     count = 1 << 20  # 4 MiB of float32: shm on one node with a core per rank
-    algorithm = getattr(world.transport, "all_reduce_algorithm", None)
-    placed = algorithm is not None and algorithm(count * 4, np.float32) == "shm"
+    placed = ("route" in t.capabilities
+              and t.all_reduce_algorithm(count * 4, np.float32) == "shm")  # type: ignore[attr-defined]
     x = fs.tensor(_value(1, r, (count,)))
     want = sum(_value(1, q, (count,)).astype(np.float64) for q in range(n))
     addresses = []
     for step in range(3):
-        x = comm.all_reduce(x)
+        x = comm.all_reduce(x.donate())
         x.realize()
         np.testing.assert_allclose(x.numpy(), want * n ** step, rtol=1e-5, atol=1e-5 * n ** step)
         addresses.append(x.numpy().__array_interface__["data"][0])
@@ -110,8 +110,6 @@ def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_once_there_are_enough(
     area and asks for more (the class's next all_reduce adds one, after its header sync);
     by the fourth step every bucket is placed (its results are views of a lent area),
     each step's results right while the previous step's are held."""
-    from fuelspmd.transport import lent
-
     t = world.comm.transport
     comm = fs.Communicator(t, device=world.device, timeout=TIMEOUT, bucket_bytes=1 << 20)
     r, n = comm.rank, comm.size
@@ -119,9 +117,9 @@ def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_once_there_are_enough(
     leaves = [fs.tensor(_value(40 + k, r, s)) for k, s in enumerate(shapes)]
     refs = [sum(_value(40 + k, q, s).astype(np.float64) for q in range(n))
             for k, s in enumerate(shapes)]
-    algorithm = getattr(world.transport, "all_reduce_algorithm", None)
-    placed = n > 1 and algorithm is not None and algorithm(1 << 20, np.float32) == "shm"
-    shm = getattr(world.transport, "_shm", None)  # room for 4 areas and a copy-in window
+    placed = (n > 1 and "route" in t.capabilities
+              and t.all_reduce_algorithm(1 << 20, np.float32) == "shm")  # type: ignore[attr-defined]
+    shm = t.inner._shm if placed else None  # type: ignore[attr-defined]  # room for 4 areas
     placed = placed and shm is not None and shm.cap_bytes >= 8 << 20
     held: list[fs.Tensor] = []
     for step in range(4):
@@ -132,6 +130,6 @@ def test_every_bucket_of_a_step_is_reduced_in_a_lent_area_once_there_are_enough(
         for y, ref in zip(held, refs):  # the last step's results, untouched
             np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5)
         if placed and step == 3:
-            assert all(lent(y.numpy()) for y in ys)
+            assert all(t.lent(y.numpy()) for y in ys)  # type: ignore[attr-defined]
         held = ys if step == 0 else []  # the second step runs while the first's are held
         del ys

@@ -2,10 +2,12 @@
 
 ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi/test_guard.py`` (N = 1..4). Each
 test builds a fresh GuardedTransport on a fresh split of the world, so a test that leaves
-control messages unread (a mismatch stops the exchange half-way) cannot leak them into the
-next. A fault is injected after hundreds of good guarded operations; then every rank's
-outcome (error type, seconds to raise, message) is all-gathered over the world, and every
-rank asserts on all of them, so a rank that did not raise fails the test everywhere.
+messages unread (a mismatch stops the exchange half-way) cannot leak them into the next.
+A fault is injected after hundreds of good guarded operations; then every rank's outcome
+(error type, seconds to raise, message) is all-gathered over the world, and every rank
+asserts on all of them, so a rank that did not raise fails the test everywhere. The
+all_reduces run each path the transport has: MPI's own with the buffer carried in the
+check (small), MPI's own after the check (large), and the shared-memory header.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ import numpy as np
 import pytest
 
 from fuelspmd.cli.trace import main as trace_main
-from fuelspmd.comm import Fingerprint, GuardedTransport, Recorder
-from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError
-from fuelspmd.transport import DONE
+from fuelspmd.comm import GuardedTransport, Recorder
+from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
 
 TIMEOUT = 20.0       # data waits
 GUARD_TIMEOUT = 8.0  # longer than the 5 s a mismatch may take: a mismatch is not a timeout
 GOOD = 520  # the issue's "after 500 good operations", for every field and pair case
+N = 1 << 16  # float32 elements: 256 KiB, the shared-memory path where the policy is shm
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +42,62 @@ def world() -> Iterator[Any]:
     t.barrier().wait()
 
 
-@pytest.fixture
-def gt(world: Any) -> Iterator[GuardedTransport]:
-    g = GuardedTransport(world.split(0, world.rank), timeout=GUARD_TIMEOUT,
-                         recorder=Recorder())
-    yield g
-    g.close()
+def drain(comm: Any, world: Any) -> None:
+    """Receive what a faulty test left unreceived on ``comm``: once the communicator is
+    freed, MPI may give its context to a later split, whose receives would match it."""
+    from mpi4py import MPI
+
+    world.Barrier()
+    status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        comm.Recv(np.empty(status.Get_count(MPI.BYTE), np.uint8), status.Get_source(),
+                  status.Get_tag())
+    world.Barrier()
+
+
+@contextmanager
+def guarded(world: Any, algorithm: str = "mpi", *, recorder: bool = True,
+            timeout: float = GUARD_TIMEOUT, nodes: list[int] | None = None, mode: str = "default",
+            trace_dir: str | None = None) -> Iterator[GuardedTransport]:
+    """A guard over a fresh split of the world whose all_reduce policy is ``algorithm``;
+    the split is drained and finalized after (a test that leaves it out of step harms no
+    other)."""
+    t = world.split(0, world.rank)
+    g = None
+    try:
+        algo = algorithm if world.size > 1 else "mpi"
+        assert t.set_all_reduce_policy(algorithm=algo, nodes=nodes) == algo
+        g = GuardedTransport(t, timeout=timeout, mode=mode,
+                             recorder=Recorder() if recorder else None, trace_dir=trace_dir)
+        yield g
+    finally:
+        if g is not None:
+            if g.guard.control is not None:
+                drain(g.guard.control.comm, world.comm)
+            g.close()
+        drain(t.comm, world.comm)
+        t.finalize()
+
+
+@pytest.fixture(params=["mpi", "shm"])
+def gt(world: Any, request: Any) -> Iterator[GuardedTransport]:
+    with guarded(world, request.param) as g:
+        yield g
 
 
 def good_ops(g: GuardedTransport, n: int) -> None:
-    """Run ``n`` guarded collectives (and pairwise swaps) and check them against numpy."""
+    """Run ``n`` guarded operations (small and large all_reduces, all_gathers, broadcasts,
+    pairwise swaps) and check them against numpy."""
     for i in range(n):
-        good_op(g, i, i % 4)
-        if i % 4 == 3:
+        good_op(g, i, i % 5)
+        if i % 5 == 4:
             g.barrier().wait()
 
 
 def good_op(g: GuardedTransport, i: int, kind: int) -> None:
     """Op number ``i`` of one ``kind``: 0 a small all_reduce, 1 an all_gather, 2 a
-    broadcast, 3 a swap with rank ``rank ^ 1`` written the same on both (send, then recv)."""
+    broadcast, 3 a swap with rank ``rank ^ 1`` written the same on both (send, then recv),
+    4 a large all_reduce."""
     r, size = g.rank, g.size
     peer = r ^ 1
     if kind == 0:
@@ -74,28 +113,27 @@ def good_op(g: GuardedTransport, i: int, kind: int) -> None:
         b = np.full(4, float(r == i % size) * i, np.float64)
         g.broadcast(b, i % size).wait()
         assert b[0] == i
-    elif peer < size:
+    elif kind == 3 and peer < size:
         s = np.arange(3.0) + r + i
         q = np.empty(3)
         ws, wr = g.send(s, peer, i % 7), g.recv(q, peer, i % 7)
         wr.wait()
         ws.wait()
         np.testing.assert_array_equal(q, np.arange(3.0) + peer + i)
+    elif kind == 4:
+        b = np.full(N, float(r + i), np.float32)
+        g.all_reduce(b, "sum").wait()
+        assert b[0] == b[-1] == sum(range(size)) + size * i
 
 
 def outcome(world: Any, action: Callable[[], None]) -> list[tuple[str, float, str]]:
-    """Run ``action`` on this rank; return every rank's (error type, seconds, message).
-
-    Starts at a world barrier outside the guard: a rank still settling its last good
-    operation would otherwise (rightly) raise there, on the abort of a faster rank that
-    had already reached the fault.
-    """
+    """Run ``action`` on this rank; return every rank's (error type, seconds, message)."""
     world.comm.Barrier()
     t0 = time.monotonic()
     try:
         action()
         mine = ("none", time.monotonic() - t0, "")
-    except (CollectiveMismatchError, CommTimeoutError) as e:
+    except CommError as e:
         mine = (type(e).__name__, time.monotonic() - t0, str(e))
     return world.comm.allgather(mine)
 
@@ -121,8 +159,7 @@ def assert_timed_out(every: list[tuple[str, float, str]], bad: int) -> None:
 
 def test_good_ops_match_numpy(gt: GuardedTransport) -> None:
     good_ops(gt, 600)
-    assert gt.cseq == 600
-    assert gt.seq == 600 + (300 if gt.rank ^ 1 < gt.size else 0)
+    assert gt.cseq == 600  # per five ops: four collectives (not the swap) and a barrier
     recs = gt.guard.recorder.records()  # type: ignore[union-attr]
     assert len(recs) == min(gt.seq, 1024) and all(r.state == "completed" for r in recs)
 
@@ -132,54 +169,35 @@ def _need2(world: Any) -> None:
         pytest.skip("a mismatch needs two ranks")
 
 
-def _collective(g: GuardedTransport, bad: bool, field: str) -> None:
+def _collective(g: GuardedTransport, bad: bool, field: str, n: int) -> None:
     if field == "op" and bad:
-        out = np.empty(8 * g.size, np.float32)
-        g.all_gather(np.zeros(8, np.float32), out).wait()
+        out = np.empty(n * g.size, np.float32)
+        g.all_gather(np.zeros(n, np.float32), out).wait()
     elif field == "root":
-        g.broadcast(np.zeros(8, np.float32), 1 if bad else 0).wait()
-    elif field in ("group", "seq") and bad:
-        fp = Fingerprint(g.seq, "all_reduce", (8,), "float32", "sum", group=g.guard.group,
-                         cseq=g.cseq)
-        if field == "group":
-            fp.group += 1
-        else:  # this rank created a collective it never issued: its counters moved on
-            fp.seq += 1
-            fp.cseq = (fp.cseq or 0) + 1
-        g.guard.wait(g.guard.check(fp), DONE)
+        g.broadcast(np.zeros(n, np.float32), 1 if bad else 0).wait()
     else:
-        shape = (9,) if bad and field == "shape" else (8,)
+        if bad and field == "seq":  # this rank counted a collective it never issued
+            g.seq += 1
+            g.cseq += 1
+        if bad and field == "group":  # as a rank in another group would describe it
+            g.group += 1
+            g._calls.clear()
+        shape = (n + 8,) if bad and field == "shape" else (n,)
         dt = np.float64 if bad and field == "dtype" else np.float32
-        g.all_reduce(np.zeros(shape, dt), "max" if bad and field == "reduce_op" else "sum").wait()
+        g.all_reduce(np.ones(shape, dt), "max" if bad and field == "reduce_op" else "sum").wait()
 
 
+@pytest.mark.parametrize("n", [8, N])
 @pytest.mark.parametrize("field", ["op", "shape", "dtype", "reduce_op", "root", "group", "seq"])
 def test_collective_mismatch_raises_everywhere(world: Any, gt: GuardedTransport,
-                                               field: str) -> None:
+                                               field: str, n: int) -> None:
     _need2(world)
     good_ops(gt, GOOD)
     bad = world.size - 1
-    every = outcome(world, lambda: _collective(gt, gt.rank == bad, field))
+    every = outcome(world, lambda: _collective(gt, gt.rank == bad, field, n))
     assert_all_raised(every, field, f"rank {bad}")
     for _, _, text in every:  # both ranks of a disagreeing pair are named
         assert any(f"rank {r}" in text for r in range(world.size) if r != bad), text
-
-
-@contextmanager
-def guarded_split(world: Any, algorithm: str, recorder: bool = False,
-                  nodes: list[int] | None = None) -> Iterator[GuardedTransport]:
-    """A guard over a fresh split of the world whose all_reduce policy is ``algorithm``;
-    the split is finalized after (a test that leaves it out of step harms no other)."""
-    t = world.split(0, world.rank)
-    g = None
-    try:
-        assert t.set_all_reduce_policy(algorithm=algorithm, nodes=nodes) == algorithm
-        g = GuardedTransport(t, timeout=GUARD_TIMEOUT, recorder=Recorder() if recorder else None)
-        yield g
-    finally:
-        if g is not None:
-            g.close()
-        t.finalize()
 
 
 def _broadcast_against(g: GuardedTransport, world: Any,
@@ -196,66 +214,56 @@ def _broadcast_against(g: GuardedTransport, world: Any,
     assert_all_raised(outcome(world, fault), "all_reduce", "broadcast", f"rank {bad}")
 
 
-@pytest.mark.parametrize("recorder", [False, True])
 @pytest.mark.parametrize("first", [False, True])
-@pytest.mark.parametrize("algo", ["shm", "hierarchical"])
-def test_a_blocking_all_reduce_against_another_op_raises_within_a_slice(
-        world: Any, recorder: bool, first: bool, algo: str) -> None:
-    """The shared-memory and the hierarchical all-reduce wait for their peers inside the
-    transport's call; the guard reads its streams from there (``watch``), so a rank in
-    one while a peer broadcasts raises within a slice, like the peer, not at the
-    transport's deadline (20 s here). ``first``: the all_reduce's first shape, whose
-    descriptor would only go out after the issue returned (the watch sends it); else a
-    repeated one (sent before). The hierarchical case runs on a declared two-node layout
-    (4 ranks and more, even)."""
+@pytest.mark.parametrize("algo", ["mpi", "shm", "hierarchical"])
+def test_an_all_reduce_against_another_op_raises_within_a_slice(
+        world: Any, first: bool, algo: str) -> None:
+    """The all_reduce meets in the transport (the shared-memory header, the fixed-size
+    check of MPI's own path) while the broadcast meets on the guard's control channel:
+    the ranks wait in different places, and their notes (every 50 ms) show it. The
+    hierarchical case runs on a declared two-node layout (4 ranks and more, even)."""
     _need2(world)
     nodes = None
     if algo == "hierarchical":
         if world.size < 4 or world.size % 2:
             pytest.skip("the hierarchical all-reduce needs two nodes of 2+ ranks each")
         nodes = [r * 2 // world.size for r in range(world.size)]
-    with guarded_split(world, algo, recorder, nodes) as g:
-        n = 1 << 16  # 256 KiB of float32: the shared-memory path
+    with guarded(world, algo, nodes=nodes) as g:
         for i in range(40):
-            b = np.full(n, float(g.rank + i), np.float32)
-            g.all_reduce(b, "sum").wait()
-            assert b[0] == sum(range(g.size)) + g.size * i
-        shape = (n + 7,) if first else (n,)
+            good_op(g, i, 4)
+        shape = (N + 7,) if first else (N,)
         _broadcast_against(g, world,
                            lambda: g.all_reduce(np.ones(shape, np.float32), "sum").wait())
 
 
 def test_a_new_size_in_the_graph_against_another_op_raises_within_a_slice(
         world: Any) -> None:
-    """The graph places an all_reduce input in a lent shared area (``window_buffer``); the
-    first all_reduce of a size has none yet, and its area is made inside that call, after
-    the header sync, where allocating (collective) is safe: a rank whose peer is in another
-    operation raises the mismatch within a slice instead of waiting inside MPI's window
-    allocation, which has no deadline."""
+    """The graph places an all_reduce input in a lent shared area; the first all_reduce
+    of a size has none yet, and its area is made inside that call, after the header sync,
+    where allocating (collective) is safe."""
     import fuelspmd as fs
     from fuelspmd.comm import Communicator
 
     _need2(world)
-    with guarded_split(world, "shm") as g:
+    with guarded(world, "shm") as g:
         comm = Communicator(g, device="cpu:0", timeout=TIMEOUT)
         count = 3 << 18  # 3 MiB of float32: a size class no call here made before
         _broadcast_against(g, world, lambda: comm.all_reduce(
             fs.tensor(np.ones(count, np.float32))).realize())
 
 
-def test_a_late_peer_at_a_shared_memory_all_reduce_is_no_mismatch(world: Any) -> None:
-    """Watching the streams while a peer is only late (in compute, 0.3 s) finds nothing
-    wrong: the all-reduce completes with the right sum on every rank."""
-    with guarded_split(world, "shm" if world.size > 1 else "mpi") as g:
-        for _ in range(3):
+@pytest.mark.parametrize("algo", ["mpi", "shm"])
+def test_a_late_peer_is_no_mismatch(world: Any, algo: str) -> None:
+    """Notes exchanged while a peer is only late (in compute, 0.3 s) find nothing wrong."""
+    with guarded(world, algo) as g:
+        for i in range(3):
             if g.rank == g.size - 1:
                 time.sleep(0.3)
-            b = np.full(1 << 16, float(g.rank), np.float32)
-            g.all_reduce(b, "sum").wait()
-            assert b[0] == sum(range(g.size))
+            good_op(g, i, 4)
+            good_op(g, i, 1)
 
 
-def _p2p(g: GuardedTransport, case: str) -> None:
+def _p2p(g: GuardedTransport, case: str, n: int) -> None:
     """Pair (0, 1) exchanges one message with the fault injected; then all meet twice."""
     r = g.rank
     x = np.arange(4.0)
@@ -274,20 +282,21 @@ def _p2p(g: GuardedTransport, case: str) -> None:
             g.send(x, 3, 5).wait()
     elif r == 3 and case == "peer":
         g.recv(np.empty(4), 2, 5).wait()
-    # a rank outside the faulty pair may get through this barrier (its own descriptors all
-    # agree) and raises at its next guarded operation, on the pair's abort
-    g.barrier().wait()
-    g.barrier().wait()
+    for i in range(2):  # a collective, and a large all_reduce (in the shm header, or not)
+        g.barrier().wait()
+        good_op(g, i, 4 if n > 8 else 0)
 
 
+@pytest.mark.parametrize("n", [8, N])
 @pytest.mark.parametrize("case", ["tag", "shape", "both_send", "peer", "skip_send",
                                   "skip_recv"])
-def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: str) -> None:
+def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: str,
+                                        n: int) -> None:
     _need2(world)
     if case == "peer" and world.size < 3:
         pytest.skip("a wrong peer needs a third rank")
     good_ops(gt, GOOD)
-    every = outcome(world, lambda: _p2p(gt, case))
+    every = outcome(world, lambda: _p2p(gt, case, n))
     names = {"tag": ("tag", "rank 0", "rank 1"), "shape": ("shape", "rank 0", "rank 1"),
              "both_send": ("op", "send"), "peer": ("rank 1", "rank 2", "src=2"),
              "skip_send": ("rank 0", "rank 1", "recv"),
@@ -295,15 +304,15 @@ def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: 
     assert_all_raised(every, *names)
 
 
-def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: Any) -> None:
+@pytest.mark.parametrize("algo", ["mpi", "shm"])
+def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: Any,
+                                                 algo: str) -> None:
     """A rank that skips a collective and stays away: the others time out naming it."""
     _need2(world)
     bad = 2 if world.size > 2 else 1
     where = world.comm.bcast(str(tmp_path_factory.mktemp("trace")) if world.rank == 0
                              else None, root=0)
-    g = GuardedTransport(world.split(0, world.rank), timeout=1.5, recorder=Recorder(),
-                         trace_dir=where)
-    try:
+    with guarded(world, algo, timeout=1.5, trace_dir=where) as g:
         good_ops(g, 60)
         skipped = g.cseq
 
@@ -312,11 +321,9 @@ def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: A
                 time.sleep(2.5)  # stuck in compute past the others' deadline
                 g.guard.dump(reason="rank skipped a collective")
             else:
-                g.all_reduce(np.ones(8, np.float32), "sum").wait()
+                good_op(g, 0, 4)
 
         every = outcome(world, step)
-    finally:
-        g.close()
     assert_timed_out(every, bad)
     if world.rank == 0:
         assert sorted(p.name for p in Path(where).glob("rank*.json")) == sorted(
@@ -334,34 +341,29 @@ def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: A
     world.comm.barrier()
 
 
-def test_debug_mode_checks_first_and_compares_results(world: Any) -> None:
-    """debug: a mismatched collective is refused before it is issued; results are CRC'd."""
+def test_debug_mode_compares_results(world: Any) -> None:
+    """debug: results that must be alike are CRC'd; a rank whose result differs (here:
+    its buffer changed after the reduction) makes every rank raise."""
     _need2(world)
-    g = GuardedTransport(world.split(0, world.rank), mode="debug", timeout=GUARD_TIMEOUT,
-                         recorder=Recorder())
-    try:
+    with guarded(world, "mpi", mode="debug") as g:
         good_ops(g, 60)  # every all_reduce, all_gather and broadcast result compared
-        t = g.guard.check(Fingerprint(g.seq, "all_reduce", (4,), "float32", "sum",
-                                      group=g.guard.group, cseq=g.cseq))
-        g.seq, g.cseq = g.seq + 1, g.cseq + 1
-        every = outcome(world, lambda: g.guard.verify(t, np.full(4, g.rank, np.float32)))
+        b = np.ones(4, np.float32)
+        w = g.all_reduce(b, "sum")
+        if g.rank == 0:
+            b[0] = -1.0  # as a transport that returned other data on one rank would
+        every = outcome(world, w.wait)
         assert_all_raised(every, "debug check", "rank 0")
-    finally:
-        g.close()
-    g = GuardedTransport(world.split(0, world.rank), mode="debug", timeout=GUARD_TIMEOUT)
-    try:
+    with guarded(world, "mpi", mode="debug") as g:
         good_ops(g, 20)
-        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "dtype"))
+        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "dtype", 8))
         assert_all_raised(every, "dtype", f"rank {world.size - 1}")
-    finally:
-        g.close()
 
 
 def test_many_collectives_in_flight_waited_out_of_order(gt: GuardedTransport) -> None:
-    """More collectives in flight than the guard has send slots, waited newest first: the
-    ones past the slots take the general path, and every result is still right."""
+    """Collectives issued back to back and waited newest first: every result is right."""
     for rnd in range(3):
-        bufs = [np.full(5 + i % 3, gt.rank + i + rnd, np.float64) for i in range(20)]
+        bufs = [np.full(5 + i % 3 + (N if i % 4 == 0 else 0), gt.rank + i + rnd, np.float64)
+                for i in range(20)]
         works = [gt.all_reduce(b, "sum") for b in bufs]
         for w in reversed(works):
             w.wait()
@@ -369,61 +371,26 @@ def test_many_collectives_in_flight_waited_out_of_order(gt: GuardedTransport) ->
         for i, b in enumerate(bufs):
             np.testing.assert_array_equal(b, np.full(b.shape, size * (i + rnd)
                                                      + size * (size - 1) / 2))
-    good_ops(gt, 40)  # and the fast path is back in step afterwards
+    good_ops(gt, 40)
     assert all(r.state == "completed" for r in gt.guard.recorder.records())  # type: ignore[union-attr]
 
 
 class _Seam:
-    """The MPI transport seen through the Transport protocol only (no ``comm``): the guard
-    then drives its control streams through ``send``/``recv`` Works, as it does for any
-    transport that is not MPI's."""
+    """The MPI transport seen through the Transport protocol alone: no capability, so
+    the guard meets on its control channel for every collective and exchanges no notes."""
 
-    def __init__(self, inner: Any) -> None:
+    capabilities: frozenset[str] = frozenset()
+
+    def __init__(self, inner: Any, capabilities: frozenset[str] = frozenset()) -> None:
         self.inner = inner
+        self.capabilities = capabilities
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
-        self.world_ranks = inner.world_ranks
+        self.tag_bound = inner.tag_bound
+        self.comm = inner.comm
+        self.refuse = False
 
     def __getattr__(self, name: str) -> Any:
-        if name == "comm":
-            raise AttributeError(name)
         return getattr(self.inner, name)
-
-    def split(self, color: int, key: int) -> _Seam:
-        return _Seam(self.inner.split(color, key))
-
-
-def test_guard_over_the_transport_protocol_alone(world: Any) -> None:
-    """Without mpi4py's persistent requests the guard matches and raises the same way."""
-    _need2(world)
-    g = GuardedTransport(_Seam(world.split(0, world.rank)), timeout=GUARD_TIMEOUT,
-                         recorder=Recorder())
-    try:
-        assert not g.guard._channel.mpi
-        good_ops(g, 120)
-        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "shape"))
-        assert_all_raised(every, "shape", f"rank {world.size - 1}")
-    finally:
-        g.close()
-
-
-def test_off_mode_records_and_checks_nothing(world: Any) -> None:
-    g = GuardedTransport(world.split(0, world.rank), mode="off", timeout=GUARD_TIMEOUT,
-                         recorder=Recorder(capacity=64))
-    try:
-        assert not g.guard.checks
-        good_ops(g, 80)  # repeated all_reduces of one shape take the cached path
-        recs = g.guard.recorder.records()  # type: ignore[union-attr]
-        assert len(recs) == 64 and all(r.state == "completed" for r in recs)
-        assert recs[-1].cseq == g.cseq - 1
-    finally:
-        g.close()
-
-
-class _Refusing(_Seam):
-    """The MPI transport, except that its all_reduce raises once ``refuse`` is set (as a
-    transport that fails after the guard announced an operation would)."""
-
-    refuse = False
 
     def all_reduce(self, buf: Any, op: Any) -> Any:
         if self.refuse:
@@ -431,24 +398,91 @@ class _Refusing(_Seam):
         return self.inner.all_reduce(buf, op)
 
     def split(self, color: int, key: int) -> _Seam:
-        return _Seam(self.inner.split(color, key))
+        return _Seam(self.inner.split(color, key), self.capabilities)
 
 
-def test_a_refused_issue_after_the_announcement_fails_the_guard(world: Any) -> None:
-    """The hot path announces a repeated all_reduce before issuing it; if the transport then
-    refuses it, the ranks are out of step: the error propagates and the guard fails."""
-    seam = _Refusing(world.split(0, world.rank))
+def test_guard_over_the_transport_protocol_alone(world: Any) -> None:
+    """Without any capability the guard checks and raises the same way."""
+    _need2(world)
+    seam = _Seam(world.split(0, world.rank))
+    g = GuardedTransport(seam, timeout=GUARD_TIMEOUT, recorder=Recorder())
+    try:
+        good_ops(g, 120)
+        every = outcome(world, lambda: _collective(g, g.rank == world.size - 1, "shape", 8))
+        assert_all_raised(every, "shape", f"rank {world.size - 1}")
+    finally:
+        g.close()
+        seam.inner.finalize()
+
+
+def test_off_mode_records_and_checks_nothing(world: Any) -> None:
+    g = GuardedTransport(world.split(0, world.rank), mode="off", timeout=GUARD_TIMEOUT,
+                         recorder=Recorder(capacity=64))
+    try:
+        assert not g.guard.checks
+        good_ops(g, 80)
+        recs = g.guard.recorder.records()  # type: ignore[union-attr]
+        assert len(recs) == 64 and all(r.state == "completed" for r in recs)
+        assert recs[-1].cseq == g.cseq - 1
+    finally:
+        g.close()
+
+
+def test_a_refused_issue_after_the_check_fails_the_guard_everywhere(world: Any) -> None:
+    """The ranks agreed on an all_reduce, then one rank's transport refuses to issue it:
+    the error propagates there and every other rank, left waiting in the all_reduce,
+    raises too (the refusing rank's abort note), within 5 s."""
+    _need2(world)
+    seam = _Seam(world.split(0, world.rank), frozenset({"probe"}))
     g = GuardedTransport(seam, timeout=GUARD_TIMEOUT, recorder=Recorder())
     try:
         for _ in range(3):
             g.all_reduce(np.ones(4, np.float32), "sum").wait()
-        seam.refuse = True
-        with pytest.raises(RuntimeError, match="transport refused"):
-            g.all_reduce(np.ones(4, np.float32), "sum")
-        if world.size > 1:  # one rank announces nothing: its guard checks nothing
-            with pytest.raises(RuntimeError, match="out of step"):
-                g.barrier()
-            assert g.guard.recorder.records()[-1].state == "failed"  # type: ignore[union-attr]
+        bad = world.size - 1
+        seam.refuse = g.rank == bad
+
+        def step() -> None:
+            try:
+                g.all_reduce(np.ones(4, np.float32), "sum").wait()
+            except RuntimeError as e:
+                if isinstance(e, CommError):
+                    raise
+                raise CommError(str(e)) from e
+
+        every = outcome(world, step)
+        for rank, (kind, took, text) in enumerate(every):
+            assert kind in ("CommError", "CollectiveMismatchError"), (rank, kind, text)
+            assert took < 5.0 and "refused" in text, (rank, took, text)
+        with pytest.raises((CommError, CollectiveMismatchError)):
+            g.barrier()
     finally:
         g.close()
-    world.comm.barrier()
+        drain(seam.comm, world.comm)
+        seam.inner.finalize()
+
+
+def test_every_rank_agrees_on_the_mode(world: Any) -> None:
+    """Ranks that build their guards in different modes raise at construction."""
+    _need2(world)
+    t = world.split(0, world.rank)
+    every = outcome(world, lambda: GuardedTransport(
+        t, mode="debug" if world.rank == 0 else "default", timeout=GUARD_TIMEOUT))
+    for kind, _, text in every:
+        assert kind == "CollectiveMismatchError" and "mode" in text, text
+    t.finalize()
+
+
+def test_a_mismatch_after_the_check_is_never_silent(world: Any) -> None:
+    """A CollectiveMismatchError from the guard is raised before any data moved: the
+    buffers of every rank are as the caller left them."""
+    _need2(world)
+    with guarded(world, "mpi") as g:
+        good_ops(g, 10)
+        bad = world.size - 1
+        b = np.full(8 + (bad == g.rank), 7.0, np.float32)
+        every = outcome(world, lambda: g.all_reduce(b, "sum").wait())
+        assert all(k == "CollectiveMismatchError" for k, _, _ in every), every
+        np.testing.assert_array_equal(b, 7.0)
+    with pytest.raises(CollectiveMismatchError):
+        raise CollectiveMismatchError("sanity")
+    assert CommTimeoutError is not CollectiveMismatchError

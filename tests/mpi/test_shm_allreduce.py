@@ -222,7 +222,7 @@ def test_a_small_dev_shm_caps_the_windows(monkeypatch: pytest.MonkeyPatch) -> No
         t.all_reduce(x, "sum").wait()
         np.testing.assert_allclose(x, fold("small-shm", t.size, 1 << 18, "float32", "sum"),
                                    rtol=1e-5, atol=1e-5)
-        assert t.window_buffer(1 << 20, np.dtype(np.float32)) is None
+        assert t.lend(1 << 20, np.dtype(np.float32)) is None
         with pytest.raises(ConfigError, match=r"/dev/shm has 2 MiB free.*--shm-size"):
             t.shared_buffer(1 << 20)
     finally:
@@ -238,7 +238,7 @@ def test_bad_policy_arguments(world: Any) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_that_disagree_raise_on_every_rank(world: Any) -> None:
-    with pytest.raises(CollectiveMismatchError, match="different policies"):
+    with pytest.raises(CollectiveMismatchError, match=r"the ranks disagree .min_bytes"):
         world.set_all_reduce_policy(algorithm="shm", min_bytes=world.rank)
     # the same size class, different counts: caught by the segment headers, not a hang
     x = np.ones(1000 + world.rank, np.float32)
@@ -402,7 +402,7 @@ def test_shared_buffer_of_a_new_size_agrees_under_the_deadline(world: Any) -> No
                     t.shared_buffer(3 << 20)
                 assert time.monotonic() - start < 5.0
             elif case == "other size":
-                with pytest.raises(CollectiveMismatchError, match="different size classes"):
+                with pytest.raises(CollectiveMismatchError, match=r"disagree .size_class"):
                     t.shared_buffer((3 << 20) if world.rank == 0 else (1 << 20))
             world.barrier().wait()
         finally:
@@ -410,12 +410,12 @@ def test_shared_buffer_of_a_new_size_agrees_under_the_deadline(world: Any) -> No
 
 
 def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
-    """window_buffer lends the area only while nobody holds a view of it (the first ask
+    """lend lends the area only while nobody holds a view of it (the first ask
     of a class gets none: the class's next all_reduce makes it, on every rank, after its
     header sync); an all_reduce of a private buffer of the same size class never writes
     it."""
     count = 300_000  # float32, 1.2 MiB (the policy here: shm at every size)
-    area = world.window_buffer(count * 4, np.dtype(np.float32))
+    area = world.lend(count * 4, np.dtype(np.float32))
     if world.size == 1:
         assert area is None  # one rank: nothing is reduced in shared memory
         return
@@ -424,7 +424,7 @@ def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
         world.all_reduce(first, "sum").wait()  # copied in; adds the area it asked for
         np.testing.assert_array_equal(first, fold("first", world.size, count, "float32",
                                                   "sum"))
-        area = world.window_buffer(count * 4, np.dtype(np.float32))
+        area = world.lend(count * 4, np.dtype(np.float32))
     assert area is not None and area.nbytes >= count * 4
     held = area[:count * 4].view(np.float32)
     del area
@@ -432,14 +432,14 @@ def test_a_held_lent_area_is_never_overwritten(world: Any) -> None:
     world.all_reduce(held, "sum").wait()
     want = fold("held", world.size, count, "float32", "sum")
     np.testing.assert_array_equal(held, want)
-    assert world.window_buffer(count * 4, np.dtype(np.float32)) is None  # held
+    assert world.lend(count * 4, np.dtype(np.float32)) is None  # held
     other = data("other", world.rank, count - 5, "float32")  # same size class, private
     world.all_reduce(other, "max").wait()
     np.testing.assert_array_equal(other, fold("other", world.size, count - 5, "float32", "max"))
     np.testing.assert_array_equal(held, want)  # untouched
     del held
-    assert world.window_buffer(count * 4, np.dtype(np.float32)) is not None  # free again
-    assert world.window_buffer(count * 4, np.dtype(np.float16)) is None  # MPI reduces it
+    assert world.lend(count * 4, np.dtype(np.float32)) is not None  # free again
+    assert world.lend(count * 4, np.dtype(np.float16)) is None  # MPI reduces it
 
 
 def test_a_class_gets_another_lent_area_while_its_areas_are_held(world: Any) -> None:
@@ -448,7 +448,7 @@ def test_a_class_gets_another_lent_area_while_its_areas_are_held(world: Any) -> 
     every rank; both areas then reduce in place, each keeping its own result."""
     count = 300_000  # float32, 1.2 MiB: class 2 MiB
     f32 = np.dtype(np.float32)
-    first = world.window_buffer(count * 4, f32)
+    first = world.lend(count * 4, f32)
     if world.size == 1:
         assert first is None
         return
@@ -457,13 +457,13 @@ def test_a_class_gets_another_lent_area_while_its_areas_are_held(world: Any) -> 
     a[...] = data("grow-a", world.rank, count, "float32")
     world.all_reduce(a, "sum").wait()
     others = []  # areas an earlier test had the class add: held too
-    while (more := world.window_buffer(count * 4, f32)) is not None:
+    while (more := world.lend(count * 4, f32)) is not None:
         others.append(more)
     before = world.shared_window_bytes  # every area held, and one more asked for
     b = data("grow-b", world.rank, count, "float32")  # the call that adds it
     world.all_reduce(b, "sum").wait()
     assert world.shared_window_bytes > before
-    second = world.window_buffer(count * 4, f32)
+    second = world.lend(count * 4, f32)
     assert second is not None
     c = second[:count * 4].view(np.float32)
     del second

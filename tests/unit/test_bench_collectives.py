@@ -106,5 +106,5 @@ def test_two_ranks_with_the_mpi4py_baseline() -> None:
     ops = ["all_reduce", "all_gather", "all_to_all"]
     doc = _bench([str(MPIEXEC), "-n", "2"], "--ops", ",".join(ops), "--max-bytes", "4K",
                  "--step-factor", "8", "--iters", "3", "--warmup", "1", "--baseline", "mpi4py")
-    assert doc["transport"] == "mpi" and doc["baseline"] == "mpi4py"
+    assert doc["transport"] == "guarded-mpi" and doc["baseline"] == "mpi4py"
     _check_rows(doc, ops, 4, 2, baseline=True)  # 8, 64, 512, 4096 bytes

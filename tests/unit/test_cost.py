@@ -182,18 +182,18 @@ def test_caller_mistakes_raise_config_errors() -> None:
 
 
 def test_calibration_file_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FUELSPMD_CALIBRATION", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert calibration_path() == tmp_path / "cache" / "fuelspmd" / "calibration.json"
     assert load_calibration() is None
     data = {"version": 1, "shm": {"latency": 2e-6, "bandwidth": 3e9, "reduce_bandwidth": 5e9}}
     written = save_calibration(data)
     assert written == calibration_path() and load_calibration() == data
-    monkeypatch.setenv("FUELSPMD_CALIBRATION", str(tmp_path / "other.json"))
-    assert calibration_path() == tmp_path / "other.json"
+    monkeypatch.setenv("FUELSPMD_CALIBRATION", str(tmp_path / "other.json"))  # read by nobody
+    assert calibration_path() == written
+    assert calibration_path(tmp_path / "other.json") == tmp_path / "other.json"
     (tmp_path / "other.json").write_text(json.dumps({"shm": {"latency": 1e-6}}))
     with pytest.raises(ConfigError, match=r"shm\.bandwidth"):
-        load_calibration()
+        load_calibration(tmp_path / "other.json")
     with pytest.raises(ConfigError, match="no calibration file"):
         load_calibration(tmp_path / "missing.json")
 

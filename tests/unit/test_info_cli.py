@@ -38,7 +38,8 @@ def test_mpiexec_reports_the_all_reduce_plan() -> None:
     job = run_job(mpiexec(2, *INFO, "--json"), deadline=180)
     assert job.code == 0, job.err
     facts = json.loads(job.out)  # rank 0 alone prints
-    assert facts["size"] == 2 and facts["launcher"] == "mpiexec" and facts["transport"] == "mpi"
+    assert facts["size"] == 2 and facts["launcher"] == "mpiexec"
+    assert facts["transport"] == "guarded-mpi"
     plan = facts["all_reduce"]
     assert list(plan) == ["8 B", "64 KiB", "1 MiB", "16 MiB", "64 MiB"]
     assert plan["8 B"] == "mpi" and set(plan.values()) <= {"mpi", "shm", "hierarchical"}

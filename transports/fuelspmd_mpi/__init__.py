@@ -41,8 +41,11 @@ class MPIPlugin:
             return "MPI was already finalized in this process"
         return None
 
-    def world(self, *, timeout: float) -> MPITransport:
+    def world(self, *, timeout: float, device: Any = None) -> MPITransport:
         """Initialise MPI if needed and return the transport over COMM_WORLD.
+
+        ``device`` (what ``fs.init(device=...)`` named) changes nothing: MPI takes host
+        buffers, and GPU buffers through CUDA-aware MPI or staging, wherever they live.
 
         ``timeout`` (seconds) is what every Work's ``wait()`` allows when given no timeout.
         Raises ConfigError for a launch known to abort in MPI_Init (srun --mpi=pmix with an

@@ -8,23 +8,20 @@ hands a *planner* (``algorithm="auto"``), a callable that maps the group's world
 
 (:func:`fuelspmd.cost.policy.all_reduce_planner` builds one from the calibrated cost
 model). The plugin cannot import the cost model (it sits below it), so the plan arrives as
-plain data. ``$FUELSPMD_ALL_REDUCE`` (mpi, shm or hierarchical) overrides ``"auto"`` for
-every size, for experiments and for a model that is wrong on some machine.
+plain data.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
 from fuelspmd.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "ENV", "RUNS", "Route", "digest", "manual_bands", "parse_bands"]
+__all__ = ["ALGORITHMS", "RUNS", "Route", "manual_bands", "parse_bands"]
 
-ENV = "FUELSPMD_ALL_REDUCE"
 RUNS = ("mpi", "shm", "hierarchical")  # what a band may run
 ALGORITHMS = (*RUNS, "auto")  # what set_all_reduce_policy takes
 
@@ -65,12 +62,6 @@ def parse_bands(data: Any) -> list[tuple[float, str, str]]:
     if bad:
         raise ConfigError(f"an all-reduce plan names {bad}; a band runs one of {list(RUNS)}")
     return bands
-
-
-def digest(bands: Sequence[tuple[float, str, str]], nodes: Sequence[int] | None) -> int:
-    """A checksum of a plan, so ranks can check they were handed the same one."""
-    text = repr([(u, a) for u, a, _ in bands]) + repr(list(nodes) if nodes else None)
-    return zlib.crc32(text.encode())
 
 
 class Route:

@@ -100,7 +100,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.errors import CommTimeoutError
-from fuelspmd.transport import CallCheck, ReduceOp
+from fuelspmd.transport import WATCH_S, Check, Disagreement, ReduceOp
 from fuelspmd_mpi._shm_lent import LentAreas
 from fuelspmd_mpi._shm_window import (
     HEADER,
@@ -114,16 +114,15 @@ from fuelspmd_mpi._shm_window import (
     round_up,
     size_class,
 )
-from fuelspmd_mpi._work import WATCH_S
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
 
 SHM_DIR = "/dev/shm"  # where MPICH and Open MPI put the pages of a shared window
 # int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
-# pipelined handshakes, 3-12 the call's header: count, dtype, op, call number, the
-# caller's key and cseq (3-8, checked against the peers'; see CallCheck), the caller's oob,
-# the lent area its input lies in (0: none), whether it asks for a lent area, whether it
-# lost its core lately
+# pipelined handshakes, 3-12 the call's header: count, dtype, op, call number (3-6,
+# checked against the peers'), the caller's three check words (7-9, see Check), the lent
+# area its input lies in (0: none), whether it asks for a lent area, whether it lost its
+# core lately
 _FLAG_WORDS = 16
 # how long a phase wait spins before it yields the core (when every rank has a core)
 _SPIN_S = 2e-3
@@ -238,7 +237,7 @@ class ShmAllReduce:
         """Bytes of window this rank holds (its segments, the flag line excluded)."""
         return sum(self._windows) + self._lent.nbytes + self._pipe_bytes
 
-    def _sync(self, win: Any, seq: int, check: CallCheck | None = None) -> None:
+    def _sync(self, win: Any, seq: int, check: Check | None = None) -> None:
         """Wait until every rank reached this phase boundary: a flag handshake in shared
         memory (each rank raises its counter, then polls everyone's), fenced by
         ``Win.Sync`` (a memory barrier) of ``win`` on both sides.
@@ -254,7 +253,7 @@ class ShmAllReduce:
         win.Sync()
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
-                        check: CallCheck | None = None) -> None:
+                        check: Check | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
         calling ``check.watch()`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`),
         until the transport's deadline or ``check.timeout`` if that is sooner; the
@@ -361,6 +360,10 @@ class ShmAllReduce:
         within the cap."""
         return self._lent.free_area(nbytes)
 
+    def lent_holds(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` lies in one of the lent areas."""
+        return self._lent.holds(buf)
+
     def _grow(self, cls: int, want: bool) -> None:
         """Add a lent area to ``cls`` when some rank asked (``want``, read from every rank's
         header after a sync, so all ranks agree) and the cap leaves room for it and for the
@@ -370,7 +373,7 @@ class ShmAllReduce:
             self._lent.grow(cls, self.cap_bytes - self.allocated_bytes - copy_in)
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
-                   check: CallCheck | None = None) -> bool:
+                   check: Check | None = None) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
 
         Blocking: it returns when the result is in ``buf`` on this rank (the caller hands
@@ -380,13 +383,11 @@ class ShmAllReduce:
         the headers against each other and, all reading the same headers, take the same
         path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
 
-        ``check`` (:class:`~fuelspmd.transport.CallCheck`), when given, rides on that
-        header: its ``key`` and ``cseq`` are checked with the rest (ranks whose words
-        differ call ``check.disagree``), its ``oob`` is read from every rank into
-        ``check.outcome``, and ``check.watch()`` is called every ``WATCH_S`` while this
-        rank waits at that first sync (the collective guard reads its own streams there:
-        a peer that is in another operation never comes, and the guard raises the
-        mismatch within a slice instead of at this wait's deadline).
+        ``check`` (:class:`~fuelspmd.transport.Check`), when given, rides on that
+        header: every rank's words are handed to ``check.agrees`` after the sync, before
+        any data moves (:class:`~fuelspmd.transport.Disagreement` on every rank when they
+        do not agree), and ``check.watch()`` is called every ``WATCH_S`` while this rank
+        waits at that sync.
         """
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
@@ -409,21 +410,17 @@ class ShmAllReduce:
         if copied:  # our own slice is read from the caller's buffer, not copied in
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
-        self._flags[r][3:13] = (
-            (count, dt.num, OP_CODE[op], self._calls, 0, 0, 0, zero_copy, want, slow)
-            if check is None else
-            (count, dt.num, OP_CODE[op], self._calls, check.key, check.cseq, check.oob,
-             zero_copy, want, slow))
+        words = (0, 0, 0) if check is None else check.words
+        self._flags[r][3:13] = (count, dt.num, OP_CODE[op], self._calls, *words, zero_copy,
+                                want, slow)
         self._sync(self._flag_win, seq, check)
         heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
-        mine = heads[r][:6]
-        oob = 0
+        if check is not None and not check.agrees([h[4:7] for h in heads]):
+            raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:7] for h in heads])
+        mine = heads[r][:4]
         for h in heads:
-            if h[:6] != mine:
-                check_headers(heads, r, seq, check)
-            oob |= h[6]
-        if check is not None:
-            check.outcome = oob != 0
+            if h[:4] != mine:
+                check_headers(heads, r, seq)
         placed = [h[7] for h in heads]
         want = any(h[8] for h in heads)
         if all(placed):  # each rank's input in one of its lent areas (not always the same)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from fuelspmd.backend import tracked
 from fuelspmd.errors import ConfigError
-from fuelspmd.transport import lend
 from fuelspmd_mpi._shm_window import Window, size_class
 
 __all__ = ["LENT_MAX", "LentAreas"]
@@ -74,7 +74,7 @@ class LentAreas:
         return None
 
     def _hold(self, cls: int, i: int) -> np.ndarray:
-        area = lend(self.windows[cls][i].data[self.rank])
+        area = tracked(self.windows[cls][i].data[self.rank])
         self._holds[cls][i] = weakref.ref(area)
         return area
 
@@ -94,6 +94,12 @@ class LentAreas:
             if ref is not None and ref() is base:
                 return i + 1 if np.shares_memory(flat[:1], base[:1]) else 0
         return 0
+
+    def holds(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` is a view of one of the areas (at any offset)."""
+        base = buf.base
+        return base is not None and any(ref is not None and ref() is base
+                                        for refs in self._holds.values() for ref in refs)
 
     def asked(self, cls: int, *, consume: bool = True) -> bool:
         """Whether this rank asked for one more area of ``cls`` since the last call that

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.errors import CollectiveMismatchError
-from fuelspmd.transport import CallCheck, ReduceOp
+from fuelspmd.transport import ReduceOp
 
 __all__ = ["HEADER", "MIN_CLASS", "OP_CODE", "SHM_DTYPES", "UFUNC", "Window",
            "check_headers", "fold", "round_up", "size_class"]
@@ -81,28 +81,20 @@ def round_up(x: int, to: int) -> int:
     return -(-x // to) * to
 
 
-def check_headers(headers: list[list[int]], rank: int, seq: int,
-                  check: CallCheck | None = None) -> None:
+def check_headers(headers: list[list[int]], rank: int, seq: int) -> None:
     """Raise CollectiveMismatchError, naming every rank's fields, unless every header's
-    (count, dtype, op, call number, key, cseq) equals ``headers[rank]``'s (Python ints:
-    each rank's flag line is read once, with ``tolist``).
-
-    The caller's words (key, cseq) are looked at first: ranks whose descriptors differ
-    hand them to ``check.disagree``, which names the fields that differ (it raises)."""
-    mine = headers[rank][:6]
-    if all(h[:6] == mine for h in headers):
+    (count, dtype, op, call number) equals ``headers[rank]``'s (Python ints: each rank's
+    flag line is read once, with ``tolist``)."""
+    mine = headers[rank][:4]
+    if all(h[:4] == mine for h in headers):
         return
-    if check is not None and any(h[4:6] != mine[4:6] for h in headers):
-        check.disagree([h[4:7] for h in headers])
-    names = ("count", "dtype", "op", "call number (a rank is in another size class)",
-             "the caller's descriptor key", "the caller's collective number")
+    names = ("count", "dtype", "op", "call number (a rank is in another size class)")
     rows = []
     for k, h in enumerate(headers):
         c, d, o, call = (int(x) for x in h[:4])
         op = list(ReduceOp)[o].value if 0 <= o < len(ReduceOp) else "?"
-        rows.append(f"rank {k}: count={c} dtype={_DTYPE_NAME.get(d, d)}"
-                    f" op={op} call={call} key={h[4]} cseq={h[5]}")
-    differ = [names[i] for i in range(6) if len({int(h[i]) for h in headers}) > 1]
+        rows.append(f"rank {k}: count={c} dtype={_DTYPE_NAME.get(d, d)} op={op} call={call}")
+    differ = [names[i] for i in range(4) if len({int(h[i]) for h in headers}) > 1]
     raise CollectiveMismatchError(
         f"all_reduce #{seq} (shared memory) on rank {rank}: the ranks disagree on "
         f"{', '.join(differ)} ({'; '.join(rows)}); every rank must all_reduce the same "

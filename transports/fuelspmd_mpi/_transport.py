@@ -36,13 +36,22 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.errors import CollectiveMismatchError, ConfigError
-from fuelspmd.transport import DONE, CallCheck, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd.errors import ConfigError
+from fuelspmd.transport import (
+    DONE,
+    Check,
+    Disagreement,
+    ReduceOp,
+    Work,
+    agree,
+    check_buffers,
+    check_peer,
+)
 from fuelspmd_mpi._hier import Hierarchical
-from fuelspmd_mpi._policy import ALGORITHMS, ENV, RUNS, Route, digest, manual_bands, parse_bands
+from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
-from fuelspmd_mpi._work import MPIWork, Types, divide
+from fuelspmd_mpi._work import MPIWork, Types, divide, local_reduce
 
 __all__ = ["MPITransport"]
 
@@ -50,6 +59,13 @@ _COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different 
                     "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
+# A checked all_reduce that does not meet in the shared-memory header (MPI's own, the
+# hierarchical path) starts with one all_gather of a fixed record per rank: its three check
+# words, then the buffer itself when it holds at most INLINE bytes (one meeting does all).
+# The record's size never depends on the buffer, so ranks that disagree still meet in one
+# well-formed exchange, and no data collective is issued before they know they agree.
+INLINE = 512
+_RECORD = 3 + INLINE // 8
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
@@ -65,10 +81,7 @@ class MPITransport:
     """The Transport of one MPI communicator (COMM_WORLD, or a split of it)."""
 
     name = "mpi"
-    # all_reduce takes a CallCheck: the shared-memory path blocks inside the call, where a
-    # guard over this transport reads its control streams, and checks its descriptor in
-    # the header the ranks exchange anyway (see all_reduce)
-    checks_all_reduce = True
+    capabilities = frozenset({"checked", "probe", "lend", "route", "finalize"})
 
     def __init__(self, comm: Any, *, MPI: Any, timeout: float, label: str = "world",
                  types: Types | None = None) -> None:
@@ -91,7 +104,7 @@ class MPITransport:
             group.Free()
             world_group.Free()
         self.world_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
-        self._tag_ub = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        self.tag_bound = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._seq = 0
         # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
         # decides; the shared-memory path and the node/rail splits it may use
@@ -164,42 +177,57 @@ class MPITransport:
 
     # -- collectives ---------------------------------------------------------------------
 
-    def all_reduce(self, buf: Any, op: ReduceOp | str, check: CallCheck | None = None) -> Work:
+    def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
 
         Sizes that :meth:`set_all_reduce_policy` put on the shared-memory or hierarchical
         path go through it instead and are complete when this returns (the Work is
-        already done); while such a call waits for its peers it calls ``check.watch()``
-        every 50 ms, and the shared-memory path checks ``check``'s words in its header
-        (:class:`~fuelspmd.transport.CallCheck`; the collective guard passes one).
+        already done).
         """
+        return self._all_reduce(buf, op, None)
+
+    def all_reduce_checked(self, buf: Any, op: ReduceOp | str, check: Check) -> Work:
+        """``all_reduce`` whose ranks first compare ``check.words`` (the ``checked``
+        capability): in the shared-memory call's header, else in one fixed-size all_gather
+        that carries a buffer of at most ``INLINE`` bytes along (reduced locally, in rank
+        order, from what every rank sent). No data collective is issued unless every rank's
+        words agree; otherwise every rank raises :class:`Disagreement`."""
+        return self._all_reduce(buf, op, check)
+
+    def _all_reduce(self, buf: Any, op: ReduceOp | str, check: Check | None) -> Work:
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
-        # The hot path (measured: issue + wait cost ~1.5-2.5 us of Python over the MPI
-        # calls): a plan cached for this dtype means a supported dtype, so a contiguous
-        # ndarray needs no check_buffers.
+        # The hot path: a plan cached for this dtype means a supported dtype, so a
+        # contiguous ndarray needs no check_buffers.
         plan = (self._plans[op._value_].get(buf.dtype)
                 if type(buf) is _ndarray and buf.flags.c_contiguous else None)
         if plan is None:
             check_buffers("all_reduce", self.size, buf)
             if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:
+                if check is not None:  # the host copy is reduced; its words meet first
+                    self._meet(check, self._seq, None)
                 return staged
             plan = self._types.plan(buf.dtype, op, "all_reduce")
         seq = self._seq
         self._seq = seq + 1
-        if buf.size == 0 or self.size == 1:
+        if self.size == 1:
             return DONE
         route = self._route
-        if route.routed and buf.nbytes > route.smallest and plan.stage is None:
-            algo = route.algorithm(buf.nbytes)
-            shm, hier = self._shm, self._hier
-            if algo == "shm" and shm is not None:
-                if buf.dtype in SHM_DTYPES and shm.all_reduce(buf, op, seq, check):
-                    return DONE
-            elif algo == "hierarchical" and hier is not None:
-                hier.all_reduce(buf, plan, seq, self.size,
-                                None if check is None else check.watch)
+        algo = (route.algorithm(buf.nbytes) if route.routed and buf.nbytes > route.smallest
+                and plan.stage is None else "mpi")
+        if algo == "shm" and self._shm is not None and buf.dtype in SHM_DTYPES:
+            if self._shm.all_reduce(buf, op, seq, check):
                 return DONE
+            check = None  # over the cap: compared in its header, MPI's own moves the data
+        if check is not None and self._meet(check, seq, buf if buf.nbytes <= INLINE else None,
+                                            op, plan):
+            return DONE
+        if buf.size == 0:
+            return DONE
+        if algo == "hierarchical" and self._hier is not None:
+            self._hier.all_reduce(buf, plan, seq, self.size,
+                                  None if check is None else check.watch)
+            return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:
             req = self._comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
@@ -211,6 +239,39 @@ class MPITransport:
         req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
         return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg),
                        (stage, buf))
+
+    def _meet(self, check: Check, seq: int, buf: Any = None, op: ReduceOp | None = None,
+              plan: Any = None) -> bool:
+        """All-gather every rank's check words (and ``buf``, of at most ``INLINE`` bytes,
+        when given) in one fixed-size record; raise Disagreement unless they agree. With
+        ``buf``, reduce the gathered buffers into it and return True: the call is done."""
+        mine = np.zeros(_RECORD, np.int64)
+        mine[:3] = check.words
+        if buf is not None:
+            flat = buf.reshape(-1)
+            mine[3:].view(np.uint8)[:flat.nbytes] = flat.view(np.uint8)
+        rows = np.empty((self.size, _RECORD), np.int64)
+        req = self._comm.Iallgather(mine, rows)
+        MPIWork(req, self, "all_reduce (check)", seq, keep=(mine, rows)).wait(
+            min(check.timeout, self.timeout), watch=check.watch)
+        words = rows[:, :3].tolist()
+        if not check.agrees(words):
+            raise Disagreement(f"all_reduce #{seq} on rank {self.rank} of {self.describe()}",
+                               words)
+        if buf is None:
+            return False
+        parts = rows[:, 3:].view(np.uint8)[:, :flat.nbytes].view(flat.dtype)
+        flat[...] = local_reduce(parts, op, plan)  # type: ignore[arg-type]
+        return True
+
+    def probe(self, peer: int | None, tag: int) -> int | None:
+        """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has
+        arrived, or None (``MPI_Iprobe``: nothing is received)."""
+        status = self._MPI.Status()
+        source = self._MPI.ANY_SOURCE if peer is None else int(peer)
+        if self._comm.Iprobe(source=source, tag=int(tag), status=status):
+            return int(status.Get_source())
+        return None
 
     def set_all_reduce_policy(self, *, algorithm: str, min_bytes: int = 0,
                               max_bytes: int | None = None,
@@ -224,7 +285,7 @@ class MPITransport:
         - ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`,
           the calibrated cost model) gives the algorithm per size band, with the reason
           (:meth:`explain_all_reduce`); a ``split`` plans its own group with the same
-          planner. ``$FUELSPMD_ALL_REDUCE`` (mpi, shm, hierarchical) overrides it.
+          planner.
         - ``"shm"``: float32/float64/int32/int64 all-reduces of ``min_bytes..max_bytes``
           go through the shared-memory path (:mod:`fuelspmd_mpi._shm`), holding at most
           ``cap_bytes`` of shared window per rank.
@@ -250,12 +311,6 @@ class MPITransport:
                               f"min_bytes={min_bytes}, max_bytes={max_bytes}")
         auto = algorithm == "auto"
         source = f"set_all_reduce_policy(algorithm={algorithm!r})"
-        env = os.environ.get(ENV, "").strip()
-        if auto and env:
-            if env not in RUNS:
-                raise ConfigError(f"${ENV}={env!r}: use one of {list(RUNS)}, or unset it to "
-                                  "let the cost model choose")
-            algorithm, source, auto = env, f"${ENV}={env}", False
         if auto:
             if planner is None:
                 raise ConfigError("set_all_reduce_policy(algorithm='auto') needs planner=, "
@@ -268,17 +323,10 @@ class MPITransport:
         if nodes is not None and len(nodes) != self.size:
             raise ConfigError(f"set_all_reduce_policy: nodes has {len(nodes)} entries for a "
                               f"group of {self.size}; give the node index of every rank")
-        mine = np.array([ALGORITHMS.index(algorithm), int(min_bytes), top, int(cap_bytes),
-                         digest(bands, nodes)], np.int64)
-        every = np.empty((self.size, 5), np.int64)
-        self.all_gather(mine, every.reshape(-1)).wait()
-        if (every != mine).any():
-            rows = "; ".join(f"rank {k}: {ALGORITHMS[int(a)]} {lo}..{hi} cap {c} plan {d:x}"
-                             for k, (a, lo, hi, c, d) in enumerate(every.tolist()))
-            raise CollectiveMismatchError(
-                f"set_all_reduce_policy on {self.describe()}: the ranks passed different "
-                f"policies ({rows}); every rank must pass the same arguments (and planners "
-                f"built from the same calibration)")
+        agree(self, f"set_all_reduce_policy on {self.describe()} (planners must be built "
+              f"from the same calibration)", algorithm=algorithm, min_bytes=int(min_bytes),
+              max_bytes=top, cap_bytes=int(cap_bytes), plan=[(u, a) for u, a, _ in bands],
+              nodes=None if nodes is None else list(nodes))
         self._free_shm()
         self._planner = planner if auto else None
         self._cap = int(cap_bytes)
@@ -344,46 +392,36 @@ class MPITransport:
         if self._shm is None:
             return np.empty(int(nbytes), np.uint8)
         if not self._shm.lends(int(nbytes)):  # the class's first call: it allocates
-            self._agree_class("shared_buffer", size_class(int(nbytes)))
+            # MPI's window allocation waits with no deadline: agree on the size first
+            agree(self, f"shared_buffer on {self.describe()}", timeout=self.timeout,
+                  size_class=size_class(int(nbytes)))
         return self._shm.shared_buffer(int(nbytes))
 
-    def _agree_class(self, what: str, cls: int) -> None:
-        """Before a collective window allocation, agree on its size class under the
-        transport's deadline: MPI's allocation itself waits with none, so a rank that
-        never comes (or comes with another size) would leave the others there forever."""
-        sizes = np.array([cls, -cls], np.int64)
-        req = self._comm.Iallreduce(self._MPI.IN_PLACE, sizes, self._MPI.MAX)
-        MPIWork(req, self, what, self._next(), keep=sizes).wait()
-        if sizes[0] != -sizes[1]:
-            raise CollectiveMismatchError(
-                f"{what} on rank {self.rank} of {self.label}: the ranks asked for windows of "
-                f"different size classes ({-sizes[1]} to {sizes[0]} bytes); every rank must "
-                f"pass the same nbytes")
-
-    def window_buffer(self, nbytes: int, dtype: Any) -> np.ndarray | None:
+    def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
         """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of
-        ``nbytes`` of ``dtype`` to take as its buffer, or None: when this transport would
-        not reduce it in shared memory (another algorithm for the size, a dtype the shm
-        path leaves to MPI), or when its size class has no free area yet.
+        ``nbytes`` of ``dtype`` to take as its buffer (the ``lend`` capability), or None:
+        when this transport would not reduce it in shared memory (another algorithm for
+        the size, a dtype the shm path leaves to MPI), or when its size class has no free
+        area yet.
 
-        The lazy graph's placement (fuelspmd.comm.ops): an all_reduce input copied into it,
-        or produced there, is reduced where it lies, and its result stays there, so a
-        program that feeds the result to the next all_reduce (gradients step after step, a
-        bucket) copies nothing. Local: a class with no free area (the first call of a
-        size, or every area held) asks for one, and the class's next all_reduce adds it on
-        every rank, after its header sync, within the cap. Allocating a window is
-        collective, and only there do the ranks know they are all in one call of one size:
-        a rank that allocated on its own here, while a peer was in another operation,
-        would wait inside MPI with no deadline.
+        An all_reduce input copied into it, or produced there, is reduced where it lies,
+        and its result stays there. Local: a class with no free area (the first call of a
+        size, or every area held) asks for one, and the class's next all_reduce adds it
+        on every rank, after its header sync, within the cap. Allocating a window is
+        collective, and only there do the ranks know they are all in one call of one size.
         """
         key = (nbytes, dtype)
-        lent = self._lend_for.get(key)
-        if lent is None:
-            lent = (self._shm is not None and nbytes > 0
-                    and self.all_reduce_algorithm(nbytes, dtype) == "shm")
+        ok = self._lend_for.get(key)
+        if ok is None:
+            ok = (self._shm is not None and nbytes > 0
+                  and self.all_reduce_algorithm(nbytes, dtype) == "shm")
             if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
-                self._lend_for[key] = lent
-        return self._shm.lent_area(nbytes) if lent else None  # type: ignore[union-attr]
+                self._lend_for[key] = ok
+        return self._shm.lent_area(nbytes) if ok else None  # type: ignore[union-attr]
+
+    def lent(self, buf: Any) -> bool:
+        """Whether ``buf`` lies in one of this transport's lent areas (see :meth:`lend`)."""
+        return self._shm is not None and type(buf) is _ndarray and self._shm.lent_holds(buf)
 
     @property
     def shared_window_bytes(self) -> int:
@@ -492,8 +530,8 @@ class MPITransport:
 
     def _check_p2p(self, op: str, buf: Any, peer: int, tag: int) -> Work | None:
         check_peer(op, peer, self.size)
-        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self._tag_ub:
-            raise ConfigError(f"{op}: tag {tag!r} is outside 0..{self._tag_ub}, the tags this "
+        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self.tag_bound:
+            raise ConfigError(f"{op}: tag {tag!r} is outside 0..{self.tag_bound}, the tags this "
                               f"MPI library allows; use a smaller non-negative tag")
         if not _plain(buf, self._move):
             check_buffers(op, self.size, buf)

@@ -22,6 +22,7 @@ Reductions need arithmetic MPI may not have:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -31,9 +32,9 @@ import numpy as np
 
 from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
-from fuelspmd.transport import ReduceOp, poll_until
+from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["WATCH_S", "MPIWork", "ReducePlan", "Types"]
+__all__ = ["MPIWork", "ReducePlan", "Types", "local_reduce"]
 
 # A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
 # small collective completes within a few, so 8 B latency stays at raw MPI's.
@@ -45,9 +46,6 @@ _BURST = 64
 # 1 ms (blocking MPI: 0.61 ms); at 3 ranks, 8 B: 0.66 ms against 2.6 ms. A wait that ends
 # within its first 65 polls (most small collectives) never yields.
 _YIELD_AFTER_S = 1e-5
-# How often a wait inside a transport call lets the layer above read its own streams
-# (``watch``: the collective guard's slice); the shared-memory path's waits use it too.
-WATCH_S = 0.05
 
 
 class ReducePlan:
@@ -111,6 +109,25 @@ def divide(buf: np.ndarray, size: int) -> None:
         np.floor_divide(buf, size, out=buf)
 
 
+def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan) -> np.ndarray:
+    """Reduce the rows of ``parts`` (one per rank, rank order) as MPI would reduce them
+    for ``plan``: in rank order, so every rank that reduces the same rows gets the same
+    bits; 16-bit floats in float32 and rounded once; bool by logical or / and."""
+    n = parts.shape[0]
+    if parts.dtype == np.bool_:
+        ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
+        return ufunc.reduce(parts, axis=0)
+    work = parts if plan.stage is None else parts.astype(plan.stage)
+    out = _UFUNCS[op].reduce(work, axis=0)
+    if plan.avg:
+        divide(out, n)
+    return out if plan.stage is None else out.astype(parts.dtype)
+
+
+_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+
+
 class MPIWork:
     """A started MPI operation: ``test`` polls it, ``wait`` polls it against a deadline.
 
@@ -145,6 +162,13 @@ class MPIWork:
         self._seq = seq
         self._finish = finish
         self._keep = keep
+
+    def __del__(self) -> None:
+        # Dropped before MPI finished (a wait that timed out, a failing job): MPI may
+        # still write these buffers, so they must never be freed. The process is failing;
+        # a deliberate leak is what keeps its memory sound until it ends.
+        if self._req is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object((self._req, self._keep)))
 
     def _late(self, limit: float) -> str:
         what, hint = self._owner.explain(self._op, self._seq)

@@ -29,7 +29,6 @@ class NCCLPlugin:
     """The ``nccl`` transport plugin: availability check and the world transport."""
 
     name = "nccl"
-    takes_device = True  # world() accepts the device fs.init(device=...) names
 
     def unavailable_reason(self) -> str | None:
         """Return why NCCL cannot run here (no cupy, no libnccl, no MPI), or None.

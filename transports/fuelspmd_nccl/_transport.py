@@ -77,6 +77,8 @@ class NCCLTransport:
     """The Transport of one group: NCCL for device buffers, MPI for host buffers."""
 
     name = "nccl"
+    tag_bound = _TAG_MAX
+    capabilities = frozenset({"probe", "finalize", "device"})
 
     def __init__(self, mpi: Any, *, nccl: Any, device_index: int, timeout: float,
                  label: str = "world") -> None:
@@ -108,6 +110,10 @@ class NCCLTransport:
     def mpi(self) -> Any:
         """The MPI transport of the same ranks (bootstrap and host buffers)."""
         return self._mpi
+
+    def probe(self, peer: int | None, tag: int) -> int | None:
+        """The ``probe`` capability of the host channel (host messages go over MPI)."""
+        return self._mpi.probe(peer, tag)  # type: ignore[no-any-return]
 
     def describe(self) -> str:
         """Name this group for messages: label, size, world ranks and this rank's GPU."""
@@ -438,9 +444,7 @@ class NCCLTransport:
             with cupy.cuda.Device(self.device.index):
                 cupy.cuda.get_current_stream().synchronize()
                 comm.destroy()
-        finalize = getattr(self._mpi, "finalize", None)
-        if finalize is not None:
-            finalize()
+        self._mpi.finalize()
 
     def abort(self, code: int = 1) -> NoReturn:
         """Abort the NCCL communicator (so no GPU stays in a kernel), then every rank (MPI)."""

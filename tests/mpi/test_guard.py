@@ -181,7 +181,8 @@ def _collective(g: GuardedTransport, bad: bool, field: str, n: int) -> None:
             g.cseq += 1
         if bad and field == "group":  # as a rank in another group would describe it
             g.group += 1
-            g._calls.clear()
+            g._calls.clear()  # and the memo of the last kind, built for the old group
+            g._memo = ((), None, None, None)
         shape = (n + 8,) if bad and field == "shape" else (n,)
         dt = np.float64 if bad and field == "dtype" else np.float32
         g.all_reduce(np.ones(shape, dt), "max" if bad and field == "reduce_op" else "sum").wait()

@@ -105,6 +105,7 @@ class MPITransport:
             world_group.Free()
         self.world_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.tag_bound = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        self._status, self._any = MPI.Status(), MPI.ANY_SOURCE  # probe's
         self._seq = 0
         # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
         # decides; the shared-memory path and the node/rail splits it may use
@@ -116,6 +117,7 @@ class MPITransport:
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
+        self._records: tuple[np.ndarray, np.ndarray] | None = None  # _meet's, reused
 
     @property
     def comm(self) -> Any:
@@ -245,15 +247,19 @@ class MPITransport:
         """All-gather every rank's check words (and ``buf``, of at most ``INLINE`` bytes,
         when given) in one fixed-size record; raise Disagreement unless they agree. With
         ``buf``, reduce the gathered buffers into it and return True: the call is done."""
-        mine = np.zeros(_RECORD, np.int64)
-        mine[:3] = check.words
+        bufs, self._records = self._records, None  # a wait that gives up keeps them MPI's
+        if bufs is None:
+            bufs = (np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64))
+        mine, rows = bufs
+        w = check.words
+        mine[0], mine[1], mine[2] = w[0], w[1], w[2]
         if buf is not None:
             flat = buf.reshape(-1)
             mine[3:].view(np.uint8)[:flat.nbytes] = flat.view(np.uint8)
-        rows = np.empty((self.size, _RECORD), np.int64)
         req = self._comm.Iallgather(mine, rows)
-        MPIWork(req, self, "all_reduce (check)", seq, keep=(mine, rows)).wait(
+        MPIWork(req, self, "all_reduce (check)", seq, keep=bufs).wait(
             min(check.timeout, self.timeout), watch=check.watch)
+        self._records = bufs
         words = rows[:, :3].tolist()
         if not check.agrees(words):
             raise Disagreement(f"all_reduce #{seq} on rank {self.rank} of {self.describe()}",
@@ -261,16 +267,15 @@ class MPITransport:
         if buf is None:
             return False
         parts = rows[:, 3:].view(np.uint8)[:, :flat.nbytes].view(flat.dtype)
-        flat[...] = local_reduce(parts, op, plan)  # type: ignore[arg-type]
+        local_reduce(parts, op, plan, flat)  # type: ignore[arg-type]
         return True
 
     def probe(self, peer: int | None, tag: int) -> int | None:
         """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has
         arrived, or None (``MPI_Iprobe``: nothing is received)."""
-        status = self._MPI.Status()
-        source = self._MPI.ANY_SOURCE if peer is None else int(peer)
-        if self._comm.Iprobe(source=source, tag=int(tag), status=status):
-            return int(status.Get_source())
+        status = self._status
+        if self._comm.Iprobe(self._any if peer is None else peer, tag, status):
+            return status.Get_source()  # type: ignore[no-any-return]
         return None
 
     def set_all_reduce_policy(self, *, algorithm: str, min_bytes: int = 0,

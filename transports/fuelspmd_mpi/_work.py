@@ -109,19 +109,22 @@ def divide(buf: np.ndarray, size: int) -> None:
         np.floor_divide(buf, size, out=buf)
 
 
-def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan) -> np.ndarray:
-    """Reduce the rows of ``parts`` (one per rank, rank order) as MPI would reduce them
+def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndarray) -> None:
+    """Reduce the rows of ``parts`` (one per rank, rank order) into ``out`` as MPI would
     for ``plan``: in rank order, so every rank that reduces the same rows gets the same
     bits; 16-bit floats in float32 and rounded once; bool by logical or / and."""
-    n = parts.shape[0]
     if parts.dtype == np.bool_:
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
-        return ufunc.reduce(parts, axis=0)
-    work = parts if plan.stage is None else parts.astype(plan.stage)
-    out = _UFUNCS[op].reduce(work, axis=0)
-    if plan.avg:
-        divide(out, n)
-    return out if plan.stage is None else out.astype(parts.dtype)
+        ufunc.reduce(parts, axis=0, out=out)
+    elif plan.stage is None:
+        _UFUNCS[op].reduce(parts, axis=0, out=out)
+        if plan.avg:
+            divide(out, parts.shape[0])
+    else:
+        wide = _UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
+        if plan.avg:
+            divide(wide, parts.shape[0])
+        out[...] = wide
 
 
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,

@@ -30,8 +30,8 @@ from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import DeviceError, DTypeError
 
-__all__ = ["Backend", "Device", "Spares", "cuda_device_count", "device", "get_backend", "to_host",
-           "tracked", "transfer"]
+__all__ = ["Backend", "Device", "Spares", "cuda_device_count", "cuda_unavailable_reason",
+           "device", "get_backend", "to_host", "tracked", "transfer"]
 
 _KINDS = ("cpu", "cuda", "strict")
 
@@ -85,23 +85,40 @@ _DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg")
 
 
 @cache
-def cuda_device_count() -> int:
-    """Count the CUDA devices cupy can see (0 when cupy or a driver is missing).
-
-    On Linux without an NVIDIA driver's device node the answer is 0 without importing
-    cupy: measured on a machine without a GPU, importing cupy to ask cost every
-    ``fs.init`` about 0.6 s. Cached: the set of visible devices is fixed once CUDA starts.
-    """
+def _cuda_probe() -> tuple[int, str | None]:
+    """(CUDA devices cupy sees, why there are none): see :func:`cuda_device_count`."""
     if sys.platform.startswith("linux") and not any(map(os.path.exists, _DRIVER_NODES)):
-        return 0
+        return 0, f"no NVIDIA driver: none of {', '.join(_DRIVER_NODES)} exists"
     try:
         import cupy
-    except ImportError:
-        return 0
+    except ImportError as e:
+        return 0, f"cupy is not installed ({e}): pip install 'fuelspmd[gpu]'"
     try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no driver, no device: cupy raises its own CUDARuntimeError
-        return 0
+        n = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # cupy raises its own CUDARuntimeError
+        text = f"{type(e).__name__}: {e}"
+        if "cudaErrorNoDevice" in text:
+            return 0, f"the NVIDIA driver finds no CUDA device ({text})"
+        return 0, (f"the NVIDIA driver is there, but CUDA does not start with it ({text}): "
+                   "a driver older than cupy's CUDA, or without its library?")
+    return n, None if n else "the NVIDIA driver finds no CUDA device"
+
+
+def cuda_device_count() -> int:
+    """Count the CUDA devices cupy can see (0 when cupy, a driver or a device is missing:
+    :func:`cuda_unavailable_reason` says which).
+
+    On Linux without an NVIDIA driver's device node the answer is 0 without importing
+    cupy, which every ``fs.init`` would otherwise pay for. Cached: the set of visible
+    devices is fixed once CUDA starts.
+    """
+    return _cuda_probe()[0]
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why no CUDA device is usable here, or None when one is: no NVIDIA driver, no cupy,
+    a driver CUDA does not start with (older than cupy's CUDA runtime), or no device."""
+    return _cuda_probe()[1]
 
 
 class Backend:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,7 +25,8 @@ from fuelspmd.dtypes import DType, Shape, to_numpy
 
 from .passes import Instr
 
-__all__ = ["CHUNK_ELEMENTS", "NumpyFused", "Program", "build_program", "cupy_source"]
+__all__ = ["CHUNK_ELEMENTS", "CupySource", "NumpyFused", "Program", "build_program", "c_literal",
+           "cupy_kernel", "cupy_source"]
 
 
 def _where(c: Any, a: Any, b: Any, out: Any) -> None:
@@ -193,9 +194,12 @@ class NumpyFused:
 
 
 def scalar_for(value: Any, dt: DType, be: Any) -> Any:
-    """The scalar register of a const fill: a typed numpy scalar, or a 0-d array."""
+    """The scalar register of a const fill: a typed numpy scalar on numpy, nothing on cupy
+    (its kernel inlines the scalar as a typed literal, :func:`c_literal`), else a 0-d array."""
     if be.kind == "cpu":
         return to_numpy(dt).type(value)
+    if be.kind == "cuda":
+        return None
     return be.xp.asarray(value, dtype=be.dtype(dt))
 
 
@@ -215,18 +219,85 @@ def run_generic(prog: Program, be: Any, regs: list[Any]) -> list[Any]:
     return outs
 
 
+# The C type of each dtype inside a kernel body. A kernel's parameter list is another
+# language: cupy reads each type there as a numpy dtype name (``float`` is float64, ``long
+# long`` is no name at all), so parameters are written with ``DType.name``.
 _CTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float",
            "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
 
+# cupy includes the header of a half type only for a parameter of that type; a temporary
+# or a literal of it needs the header too
+_HALF_HEADERS = {"float16": '#include "cupy/float16.cuh"',
+                 "bfloat16": '#include "cupy/bfloat16.cuh"'}
 
-def cupy_source(prog: Program, ir: list[Instr]) -> tuple[str, str, str]:
-    """Return (in_params, out_params, body) of a cupy ElementwiseKernel for ``prog``.
+# numpy's absolute and power take integers; C's fabs and pow do not (the call is
+# ambiguous). These overloads are exact matches for the ``fabs(a)`` and ``pow(a, b)`` of
+# the op table. They compute in unsigned arithmetic, which wraps as numpy does (signed
+# overflow is undefined in C); a negative exponent gives the truncated power (1 for a
+# base of 1, +-1 for -1, else 0), where numpy raises.
+_INT_HELPERS = {
+    "abs": """__device__ int fabs(int a) { return a < 0 ? (int)(0u - (unsigned int)a) : a; }
+__device__ long long fabs(long long a) {
+  return a < 0 ? (long long)(0ull - (unsigned long long)a) : a;
+}""",
+    "pow": """template <typename I, typename U> __device__ I _fuelspmd_ipow(I a, I b) {
+  if (b < 0) return a == 1 ? 1 : a == -1 ? ((b & 1) ? -1 : 1) : 0;
+  U r = 1, x = (U)a;
+  for (; b; b >>= 1) { if (b & 1) r *= x; x *= x; }
+  return (I)r;
+}
+__device__ int pow(int a, int b) { return _fuelspmd_ipow<int, unsigned int>(a, b); }
+__device__ long long pow(long long a, long long b) {
+  return _fuelspmd_ipow<long long, unsigned long long>(a, b);
+}""",
+}
+
+
+class CupySource(NamedTuple):
+    """The parts of a cupy ``ElementwiseKernel``."""
+
+    in_params: str
+    out_params: str
+    body: str
+    preamble: str
+
+
+def c_literal(value: Any, dt: DType) -> str:
+    """``value`` as a C expression of type ``dt``, equal to ``dt``'s rounding of it.
+
+    Never a bare double: beside a float16 or bfloat16 operand a double is ambiguous (each
+    converts to the other's arithmetic), and beside a float it widens the arithmetic to
+    double. Infinities and NaN are bit patterns (C has no literal for them).
+    """
+    ctype = _CTYPES[dt.name]
+    if dt.is_bool:
+        return "true" if value else "false"
+    if dt.is_integer:
+        v, suffix = int(value), "LL" if dt.itemsize == 8 else ""
+        low = -(1 << (8 * dt.itemsize - 1))
+        text = f"{v}{suffix}" if v != low else f"{low + 1}{suffix} - 1"  # no literal for it
+        return f"(({ctype})({text}))"
+    with np.errstate(over="ignore"):  # a value past the dtype's range rounds to infinity
+        x = to_numpy(dt).type(value)
+    if dt.itemsize == 8:
+        if np.isfinite(x):
+            return repr(float(x))
+        return f"__longlong_as_double({int(np.float64(x).view(np.int64))}LL)"
+    text = (f"{float(x)!r}f" if np.isfinite(x)
+            else f"__int_as_float({int(np.float32(x).view(np.int32))})")
+    return text if ctype == "float" else f"(({ctype}){text})"
+
+
+def cupy_source(prog: Program, ir: list[Instr]) -> CupySource:
+    """Return the parts of a cupy ElementwiseKernel for ``prog``.
 
     Each member becomes one line ``T r = expr;`` from its op's ``cexpr`` template (``a``,
-    ``b``, ``c`` name its operands, ``T`` its dtype); constants are inlined as literals.
+    ``b``, ``c`` name its operands, ``T`` its C type); constants are inlined as typed
+    literals (:func:`c_literal`), so every operand of a member has the member's operand
+    type and the template's C call is never ambiguous.
     """
     names = [f"x{k}" for k in range(prog.n_ext)]
-    names += [repr(v) if not isinstance(v, bool) else str(v).lower() for v, _ in prog.scalars]
+    names += [c_literal(v, dt) for v, dt in prog.scalars]
     base = len(names)
     names += [f"t{t}" for t in range(len(prog.temps))]
     lines = []
@@ -234,6 +305,7 @@ def cupy_source(prog: Program, ir: list[Instr]) -> tuple[str, str, str]:
     for t, k in prog.donor_of.items():
         lines.append(f"{_CTYPES[prog.temps[t].name]} t{t} = x{k};")
         declared.add(t)
+    helpers: dict[str, None] = {}
     for ins, args, dest in prog.code:
         ctype = _CTYPES[ins.dtype.name]
         expr = ins.op.cexpr or ""
@@ -244,15 +316,17 @@ def cupy_source(prog: Program, ir: list[Instr]) -> tuple[str, str, str]:
         decl = "" if t in declared else f"{ctype} "
         declared.add(t)
         lines.append(f"{decl}t{t} = {expr};")
+        if ins.dtype.is_integer and ins.op.name in _INT_HELPERS:
+            helpers[_INT_HELPERS[ins.op.name]] = None
     lines.append(f"out = t{prog.root_temp};")
     lines += [f"e{k} = t{t};" for k, (_, t) in enumerate(prog.exports)]
-    in_params = ", ".join(f"{_CTYPES[ir_dtype.name]} x{k}"
-                          for k, ir_dtype in enumerate(_ext_dtypes(prog, ir)))
-    out_params = ", ".join([f"{_CTYPES[prog.temps[prog.root_temp].name]} out"] + [
-        f"{_CTYPES[prog.temps[t].name]} e{k}" for k, (_, t) in enumerate(prog.exports)])
-    return in_params, out_params, "\n".join(lines)
-
-
+    ext = _ext_dtypes(prog, ir)
+    in_params = ", ".join(f"{dt.name} x{k}" for k, dt in enumerate(ext))
+    out_params = ", ".join([f"{prog.temps[prog.root_temp].name} out"] + [
+        f"{prog.temps[t].name} e{k}" for k, (_, t) in enumerate(prog.exports)])
+    used = {dt.name for dt in [*ext, *prog.temps, *(dt for _, dt in prog.scalars)]}
+    preamble = [h for name, h in _HALF_HEADERS.items() if name in used] + list(helpers)
+    return CupySource(in_params, out_params, "\n".join(lines), "\n".join(preamble))
 def _ext_dtypes(prog: Program, ir: list[Instr]) -> list[DType]:
     found: dict[int, DType] = {}
     for ins, args, _ in prog.code:
@@ -266,5 +340,6 @@ def cupy_kernel(prog: Program, ir: list[Instr]) -> Any:
     """Build the cupy ElementwiseKernel of ``prog`` (cupy imported here, on first use)."""
     import cupy
 
-    in_params, out_params, body = cupy_source(prog, ir)
-    return cupy.ElementwiseKernel(in_params, out_params, body, "fuelspmd_fused")
+    src = cupy_source(prog, ir)
+    return cupy.ElementwiseKernel(src.in_params, src.out_params, src.body, "fuelspmd_fused",
+                                  preamble=src.preamble)

@@ -38,8 +38,10 @@ PACKAGES=(mpich mpi4py array-api-compat array-api-strict pytest-mpi)
 
 # .whl/ must never be committed nor travel unasked: ignored by the clone's exclude file
 # (what the device tool reads) and by .gitignore (what every other clone reads).
-mkdir -p .git/info
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+if [[ -d .git ]]; then  # a worktree's .git is a file; the check below still holds there
+  mkdir -p .git/info
+  grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+fi
 if [[ -n $(git status --porcelain --untracked-files=all -- "$DEST" 2>/dev/null) ]]; then
   echo "fetch_wheels: git does not ignore $DEST/; add '/.whl/' to .gitignore"; exit 2
 fi

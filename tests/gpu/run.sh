@@ -25,10 +25,11 @@
 # A step that would start after the deadline is skipped and reported, so the whole run ends
 # within about 8 minutes whatever happens. Without a GPU every step still runs as far as it
 # can (the tests skip, the benchmarks are skipped) and the exit status is 3.
-# Results: build/gpu-check/ holds summary.txt, gpu_figures.json, one log and JUnit XML per
-# step. When $OUT is set (the device tool), $OUT receives summary.txt, gpu_figures.json,
-# all.log (every step's log, in order) and logs.tar.gz (everything): 4 files, since the
-# tool brings back at most 8. Exit status: 0 all passed, 1 a step failed or ran out of
+# Results: build/gpu-check/ holds summary.txt, gpu_figures.json, machine.log (nvidia-smi,
+# the Python), one log and JUnit XML per step. When $OUT is set (the device tool), $OUT
+# receives summary.txt, gpu_figures.json, all.log (machine.log, then every step's log in
+# the order the steps ran) and logs.tar.gz (everything): 4 files, since the tool brings
+# back at most 8. Exit status: 0 all passed, 1 a step failed or ran out of
 # time, 2 not started from a fuelspmd tree, 3 no GPU (nothing on a GPU was checked).
 set -euo pipefail
 
@@ -46,6 +47,7 @@ elif [[ -x /opt/torch/.venv/bin/python3 ]]; then PY=/opt/torch/.venv/bin/python3
 else PY=python3; fi
 export PYTHONUNBUFFERED=1
 declare -a STEPS=()
+declare -a LOGS=(machine)  # the logs in the order they were written, for all.log
 FAILED=0
 NGPU=0
 
@@ -61,6 +63,7 @@ step() {
     STEPS+=("$name: SKIPPED (global deadline reached)"); FAILED=1; return 0
   fi
   echo "== $name (limit ${limit}s)"
+  LOGS+=("$name")
   local t0; t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log" || status=${PIPESTATUS[0]}
   local took=$(( $(date +%s) - t0 ))
@@ -90,7 +93,10 @@ finish() {
     echo "GPU check of $(git rev-parse --short HEAD 2>/dev/null || echo 'a tree without git')" \
          "on $(uname -n), $(date -u +%FT%TZ), ${NGPU} GPU(s), $(( $(date +%s) - START ))s," \
          "exit status $verdict"
-    (( NGPU == 0 )) && echo "  NO GPU: nothing ran on a GPU; the GPU tests skipped"
+    if (( NGPU == 0 )); then
+      echo "  NO GPU ($(cat "$RESULTS/no-gpu.txt" 2>/dev/null || echo 'nvidia-smi lists none')):" \
+           "nothing ran on a GPU; the GPU tests skipped"
+    fi
     for s in "${STEPS[@]}"; do echo "  $s"; done
     for f in nccl-1rank "nccl-${NGPU}ranks" gpu-tests; do
       if [[ -f "$RESULTS/$f.log" ]]; then
@@ -103,22 +109,30 @@ finish() {
     mkdir -p "$OUT"
     cp "$RESULTS/summary.txt" "$OUT/"
     [[ -f "$RESULTS/gpu_figures.json" ]] && cp "$RESULTS/gpu_figures.json" "$OUT/"
-    for f in "$RESULTS"/*.log; do echo "######## $(basename "$f")"; cat "$f"; done > "$OUT/all.log"
+    for f in "${LOGS[@]}"; do
+      [[ -f "$RESULTS/$f.log" ]] && { echo "######## $f.log"; cat "$RESULTS/$f.log"; }
+    done > "$OUT/all.log"
     tar czf "$OUT/logs.tar.gz" -C "$REPO/build" gpu-check
   fi
   exit "$verdict"
 }
 trap finish EXIT
 
-echo "== machine"
-if nvidia-smi -L 2>/dev/null; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-  NGPU=$(nvidia-smi -L | grep -c '^GPU' || true)
-else
-  echo "NO GPU: nvidia-smi is missing or found no NVIDIA driver. Every step still runs as far"
-  echo "as it can (the GPU tests skip); the exit status is 3, since nothing ran on a GPU."
-fi
-echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+# the machine section: its own log (the first of all.log), NGPU from nvidia-smi
+machine() {
+  echo "== machine: $(uname -n), $(uname -sr), $(nproc) cores"
+  if nvidia-smi -L 2>/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader \
+      || true
+    nvidia-smi | grep -m1 'CUDA Version' || true  # the driver's CUDA version
+  else
+    echo "NO GPU: nvidia-smi is missing or found no NVIDIA driver. Every step still runs as far"
+    echo "as it can (the GPU tests skip); the exit status is 3, since nothing ran on a GPU."
+  fi
+  echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+}
+machine 2>&1 | tee "$RESULTS/machine.log"
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 
 # install: the carried wheels, else the same packages by name from the configured index
 install() {
@@ -214,7 +228,7 @@ export LD_LIBRARY_PATH="$SITE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # machine), and NCCL says why when it fails
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
-step env 60 "$PY" - "$SITE" "$NGPU" <<'PYEOF'
+step env 60 "$PY" - "$SITE" "$NGPU" "$RESULTS" <<'PYEOF'
 """Which package came from where; fail naming what is missing."""
 import importlib
 import os
@@ -256,27 +270,26 @@ import cupy
 import fuelspmd_mpi
 import fuelspmd_nccl
 
-from fuelspmd.backend import cuda_device_count
+from fuelspmd.backend import cuda_device_count, cuda_unavailable_reason
 from fuelspmd.transport import find_transports
 
 print("transports:", sorted(find_transports()))
 print("MPI:", fuelspmd_mpi.library_version())
 nccl_why = fuelspmd_nccl.plugin.unavailable_reason()
 print("NCCL:", nccl_why or fuelspmd_nccl.plugin.library_version())
-print("GPUs cupy sees:", cuda_device_count())
+why_none = cuda_unavailable_reason()
+print("GPUs cupy sees:", cuda_device_count(), f"({why_none})" if why_none else "")
+if why_none:
+    with open(os.path.join(sys.argv[3], "no-gpu.txt"), "w") as fh:
+        fh.write(why_none)
 try:
     print("CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(), "| driver",
           cupy.cuda.runtime.driverGetVersion())
 except Exception as e:
     print(f"CUDA: not usable here ({type(e).__name__}: {e})")
 if int(sys.argv[2]) > 0 and cuda_device_count() == 0:
-    try:
-        cupy.cuda.runtime.getDeviceCount()
-        why = "cupy counts 0 devices"
-    except Exception as e:
-        why = f"{type(e).__name__}: {e}"
     sys.exit(f"nvidia-smi lists {sys.argv[2]} GPU(s) but cupy {cupy.__version__} cannot use "
-             f"them ({why}): a cupy-cudaXXx whose CUDA major version the driver does not "
+             f"them ({why_none}): a cupy-cudaXXx whose CUDA major version the driver does not "
              "run? Set PYTHON to a Python whose cupy matches the driver")
 if not {"mpi", "nccl"} <= set(find_transports()):
     sys.exit(f"the entry points are not registered: found {sorted(find_transports())}")

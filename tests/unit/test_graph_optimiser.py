@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -254,8 +256,47 @@ def test_cupy_kernel_source_for_a_fused_group() -> None:
     members = [i for i, ins in enumerate(ir) if ins.op.kind == "elementwise"]
     ext = [i for i, ins in enumerate(ir) if ins.op.kind == "leaf"]
     prog = build_program(ir, members, ext, set())
-    ins, outs_p, body = cupy_source(prog, ir)
-    assert ins == "float x0, float x1"
-    assert outs_p == "float out"
-    assert "tanh(" in body and "? " in body and "2.0" in body and "0.5" in body
+    src = cupy_source(prog, ir)
+    assert src.in_params == "float32 x0, float32 x1"  # numpy dtype names: cupy reads those
+    assert src.out_params == "float32 out"
+    body = src.body
+    assert body.startswith("bool t0 = (x0) > (0.0f);\nfloat t1 = ")  # C types in the body
+    assert "tanh(" in body and "? " in body and "(2.0f)" in body and "(0.5f)" in body
     assert body.strip().splitlines()[-1].startswith("out = t")
+    assert src.preamble == ""
+
+
+@pytest.mark.parametrize(("value", "dt", "want"), [
+    (0.5, "float32", "0.5f"), (0.1, "float32", "0.10000000149011612f"), (2, "float64", "2.0"),
+    (0.0, "float16", "((float16)0.0f)"), (1.0, "bfloat16", "((bfloat16)1.0f)"),
+    (1e9, "float16", "((float16)__int_as_float(2139095040))"),  # past float16's range: inf
+    (-math.inf, "float32", "__int_as_float(-8388608)"),
+    (math.inf, "float64", "__longlong_as_double(9218868437227405312LL)"),
+    (3, "int32", "((int)(3))"), (-2, "int64", "((long long)(-2LL))"),
+    (-(1 << 63), "int64", "((long long)(-9223372036854775807LL - 1))"),
+    (True, "bool", "true")])
+def test_cupy_literals_are_typed(value: float, dt: str, want: str) -> None:
+    from fuelspmd.dtypes import dtype
+    from fuelspmd.graph.fused import c_literal
+
+    assert c_literal(value, dtype(dt)) == want
+
+
+def test_cupy_kernel_source_in_half_and_integer_dtypes() -> None:
+    from fuelspmd.graph.fused import build_program, cupy_source
+
+    def source(out: fs.Tensor) -> Any:
+        sigs, _, outs = graph.lower([out.node])
+        ir, _, _ = graph.optimise(sigs, outs)
+        members = [i for i, ins in enumerate(ir) if ins.op.kind == "elementwise"]
+        ext = [i for i, ins in enumerate(ir) if ins.op.kind == "leaf"]
+        return cupy_source(build_program(ir, members, ext, set()), ir)
+
+    x = fs.tensor(np.ones(3, np.float32))
+    half = source((x.astype("bfloat16") * 2.0).astype("float32"))
+    assert half.in_params == "float32 x0" and half.out_params == "float32 out"
+    assert half.preamble == '#include "cupy/bfloat16.cuh"'  # a temporary's type
+    n = fs.tensor(np.ones(3, np.int64))
+    ints = source(abs(n) ** n)
+    assert ints.in_params == "int64 x0" and "long long t" in ints.body
+    assert "fabs(long long" in ints.preamble and "pow(long long" in ints.preamble

@@ -29,6 +29,7 @@ There is no size-1 shortcut here: at one rank every collective still goes throug
 
 from __future__ import annotations
 
+import faulthandler
 from collections import deque
 from typing import Any, NoReturn
 
@@ -41,7 +42,7 @@ from fuelspmd_nccl._binding import nccl_version, unique_id_format
 from fuelspmd_nccl._tables import NCCL_DTYPES, plan_for
 from fuelspmd_nccl._work import NCCLWork
 
-__all__ = ["NCCLTransport", "is_device_array"]
+__all__ = ["NCCLTransport", "init_rank", "is_device_array"]
 
 _ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 _TAG_MAX = 2**31 - 1
@@ -50,6 +51,26 @@ _TAG_MAX = 2**31 - 1
 def is_device_array(buf: Any) -> bool:
     """Whether ``buf`` is a cupy array (the buffers this transport hands to NCCL)."""
     return type(buf).__module__.split(".")[0] == "cupy"
+
+
+def init_rank(nccl: Any, size: int, uid: Any, rank: int, timeout: float) -> Any:
+    """``ncclCommInitRank`` (cupy's ``NcclCommunicator``), or the process ends past
+    ``timeout`` seconds with a message.
+
+    The call returns once every rank of the group has joined; a rank that never does, or
+    NCCL stuck in its bootstrap, would hang it for good. cupy's binding holds the GIL
+    through the call, so no Python thread or signal handler runs until it returns: the
+    deadline is faulthandler's watchdog, a C thread that needs no GIL. Past it, it writes
+    ``Timeout (H:MM:SS)!`` and every thread's stack (this one in ``init_rank``) to stderr
+    and exits with status 1, which the launcher turns into the end of the job. It is one
+    timer per process: inside ``fs.init`` this re-arms the startup deadline with the same
+    timeout and ends it, and ``ncclCommInitRank`` is the last wait of the startup.
+    """
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        return nccl.NcclCommunicator(size, uid, rank)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 class _SelfRecv:
@@ -134,7 +155,8 @@ class NCCLTransport:
         """Return the NCCL communicator, making it now if needed; collective over the group.
 
         Rank 0 draws a fresh ``ncclUniqueId``, the MPI channel broadcasts it under the
-        deadline, and every rank joins with ``ncclCommInitRank`` on this rank's GPU.
+        deadline, and every rank joins with ``ncclCommInitRank`` on this rank's GPU
+        (:func:`init_rank`: under the deadline too).
         """
         if self._aborted is not None:
             raise CommError(f"{self.describe()}: the NCCL communicator was aborted "
@@ -147,7 +169,7 @@ class NCCLTransport:
         uid = self.unique_id()
         with cupy.cuda.Device(self.device.index):
             try:
-                self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+                self._comm = init_rank(nccl, self.size, uid, self.rank, self.timeout)
             except nccl.NcclError as e:
                 raise CommError(f"ncclCommInitRank failed on rank {self.rank} of "
                                 f"{self.describe()}: {e}; set NCCL_DEBUG=INFO for NCCL's "

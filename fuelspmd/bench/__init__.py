@@ -1,28 +1,46 @@
 """Benchmarks run by ``fuelspmd bench <what>``, and the helpers they share.
 
 Layer 8. Each benchmark is a module with ``main(argv) -> int`` that puts its baseline in
-the same run as the candidate. These machines switch between a fast and a slow state for
-minutes at a time (docs: notes/measured.md), so a comparison is only meaningful when the
-two are interleaved: :func:`interleave` runs one round of each candidate in turn (A, B, A,
-B, ...) and the report is the median per candidate and their ratio, never two absolute
-numbers taken minutes apart. Importing this package imports nothing heavy (the CLI lists
-the benchmarks through it).
+the same run as the candidate. A machine shared with other work, or one that changes its
+clock, can switch between a fast and a slow state for minutes at a time, so a comparison
+is only meaningful when the two are interleaved: :func:`interleave` runs one round of each
+candidate in turn (A, B, A, B, ...) and the report is the median per candidate and their
+ratio, never two absolute numbers taken minutes apart. Importing this package imports
+nothing heavy (the CLI lists the benchmarks through it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
-__all__ = ["Column", "interleave", "median", "parse_bytes", "print_json", "print_table",
-           "time_calls"]
+__all__ = ["Column", "help_text", "interleave", "median", "parse_bytes", "parser",
+           "print_json", "print_table", "time_calls"]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc):`~?([^`]+)`")
+
+
+def help_text(doc: str) -> str:
+    """A module docstring as ``--help`` shows it: reST roles and literals as plain text."""
+    text = _ROLE.sub(r"\1", doc.strip())
+    text = text.replace("``", "").replace("::\n", ":\n")
+    return text
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose description is ``doc`` in plain text, line breaks kept."""
+    return argparse.ArgumentParser(prog=prog, description=help_text(doc),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def parse_bytes(text: str) -> int:

@@ -32,7 +32,6 @@ uses); ``--points FILE`` refits a saved file's measurements without MPI.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fuelspmd.bench import parser
 from fuelspmd.cost.calibration import save_calibration
 from fuelspmd.cost.collectives import CostModel
 from fuelspmd.cost.regimes import Regime, regimes_to_dict
@@ -335,8 +335,7 @@ def _describe(regimes: list[Regime]) -> str:
 def main(argv: list[str]) -> int:
     """Measure (or read ``--points``), fit, print the check table and save; 0 on success,
     2 on bad use."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench calibrate", __doc__)
     p.add_argument("--groups", default="2,3,4", help="group sizes to measure (default %(default)s)")
     p.add_argument("--reps", type=int, default=6, help="timings per set and point")
     p.add_argument("--max-bytes", type=int, default=2**26, help="largest size (default 64 MiB)")

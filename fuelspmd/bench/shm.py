@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.bench import Column, interleave, median, parse_bytes, print_json, print_table
+from fuelspmd.bench import Column, interleave, median, parse_bytes, parser, print_json, print_table
 from fuelspmd.cost.policy import AllReducePlan, Band, planner_for
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
@@ -119,8 +119,7 @@ def run(t: Any, *, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuelspmd bench shm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench shm", __doc__)
     p.add_argument("--sizes", default="1M,4M,16M,64M",
                    help="comma-separated buffer sizes (default %(default)s)")
     p.add_argument("--rounds", type=int, default=40,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -55,6 +56,7 @@ from fuelspmd.comm.recorder import Recorder
 from fuelspmd.cost.policy import planner_for
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
+from fuelspmd.launch.output import Ranks, rank_logger, rank_print
 from fuelspmd.launch.places import (
     LaunchInfo,
     check_world,
@@ -108,6 +110,18 @@ class World:
                                         trace_dir=self.trace_dir)
             self._comm = Communicator(seam, device=self.device, timeout=self.timeout)
         return self._comm
+
+    def print(self, *values: object, ranks: Ranks = 0, prefix: bool | None = None,
+              sep: str = " ", end: str = "\n", file: Any = None) -> None:
+        """Print on rank 0 (or the ranks in ``ranks``, or "all"), one write of whole lines,
+        ``[rank R]``-prefixed where several ranks print (:mod:`fuelspmd.launch.output`)."""
+        rank_print(self, *values, ranks=ranks, prefix=prefix, sep=sep, end=end, file=file)
+
+    def logger(self, name: str = "fuelspmd", *, ranks: Ranks = 0,
+               level: int = logging.INFO) -> logging.Logger:
+        """A :mod:`logging` logger that writes on rank 0 (or ``ranks``), rank-prefixed
+        where several ranks write (:func:`fuelspmd.launch.output.rank_logger`)."""
+        return rank_logger(self, name, ranks=ranks, level=level)
 
     @property
     def num_nodes(self) -> int:

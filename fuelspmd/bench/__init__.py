@@ -5,8 +5,8 @@ the same run as the candidate. A machine shared with other work, or one that cha
 clock, can switch between a fast and a slow state for minutes at a time, so a comparison
 is only meaningful when the two are interleaved: :func:`interleave` runs one round of each
 candidate in turn (A, B, A, B, ...) and the report is the median per candidate and their
-ratio, never two absolute numbers taken minutes apart. Importing this package imports
-nothing heavy (the CLI lists the benchmarks through it).
+ratio, never two absolute numbers taken minutes apart. The CLI lists the benchmarks
+without importing this package.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.table import Table
 
 __all__ = ["Column", "help_text", "interleave", "median", "parse_bytes", "parser",
            "print_json", "print_table", "time_calls"]
@@ -92,17 +95,20 @@ class Column:
         return "-" if value is None else self.fmt.format(value)
 
 
-def print_table(title: str, columns: Sequence[Column], rows: Sequence[Mapping[str, Any]], *,
-                out: TextIO | None = None) -> None:
-    """Print ``rows`` as a right-aligned text table under a ``# title`` line."""
+def print_table(title: str | None, columns: Sequence[Column],
+                rows: Sequence[Mapping[str, Any]], *, out: TextIO | None = None) -> None:
+    """Print ``rows`` as a right-aligned table (rich's, without borders: it reads the same in
+    a log as on a terminal, where the header is bold) under a ``# title`` line."""
     out = out or sys.stdout
-    cells = [[c.cell(r) for c in columns] for r in rows]
-    widths = [max([len(c.header), *(len(line[i]) for line in cells)])
-              for i, c in enumerate(columns)]
-    print(f"# {title}", file=out)
-    print("  ".join(c.header.rjust(w) for c, w in zip(columns, widths)), file=out)
-    for line in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(line, widths)), file=out)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for c in columns:
+        table.add_column(c.header, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(*(c.cell(r) for c in columns))
+    if title is not None:
+        print(f"# {title}", file=out)
+    # wide enough never to wrap: a log line may be long, a cut number is wrong
+    Console(file=out, width=100_000, highlight=False, soft_wrap=True).print(table)
     print(file=out, flush=True)
 
 

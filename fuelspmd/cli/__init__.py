@@ -12,13 +12,13 @@ of the output went away (``fuelspmd plan ... | head -1``: the rest is dropped qu
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pkgutil
 import sys
 from importlib import import_module
 
 import fuelspmd
-from fuelspmd import bench
 
 __all__ = ["main"]
 
@@ -32,7 +32,11 @@ _COMMANDS = {
 
 
 def _benches() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if not m.ispkg)
+    """The benchmark modules, found without importing the package (rich and numpy load
+    only for the benchmark that runs)."""
+    spec = importlib.util.find_spec("fuelspmd.bench")
+    where = list(spec.submodule_search_locations or []) if spec is not None else []
+    return sorted(m.name for m in pkgutil.iter_modules(where) if not m.ispkg)
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program Ctrl-C ended

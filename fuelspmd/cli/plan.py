@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 
-from fuelspmd.bench import parser
+from fuelspmd.bench import Column, parser, print_table
 from fuelspmd.cost.transformer import (
     Assumptions,
     Prediction,
@@ -206,20 +206,13 @@ def main(argv: list[str]) -> int:
               "use GPUs with more memory, or keep recomputation on", file=sys.stderr)
         return 2
     print(f"{len(ranked)} (tp, pp, dp) layouts fit of {total} candidates; best first:\n")
-    head = ("#", "tp", "pp", "dp", "mb", "v", "step s", "TFLOP/s", "%peak", "GiB",
-            "compute", "tp-comm", "pp-comm", "bubble", "dp-comm")
-    lines = [head]
-    for r in rows:
-        parts = r["parts"]
-        assert isinstance(parts, dict)
-        lines.append((str(r["rank"]), str(r["tp"]), str(r["pp"]), str(r["dp"]),
-                      str(r["microbatch"]), str(r["chunks"]), f"{r['step_s']:.2f}",
-                      f"{r['tflops_per_gpu']:.0f}", f"{r['peak_share']:.0%}",
-                      f"{r['memory_gib']:.1f}", *(f"{parts[k]:.1%}" for k in (
-                          "compute", "tp_comm", "pp_comm", "bubble", "dp_comm"))))
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    for line in lines:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    parts = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm")
+    columns = [Column("#", "rank"), *(Column(k, k) for k in ("tp", "pp", "dp")),
+               Column("mb", "microbatch"), Column("v", "chunks"),
+               Column("step s", "step_s", "{:.2f}"), Column("TFLOP/s", "tflops_per_gpu", "{:.0f}"),
+               Column("%peak", "peak_share", "{:.0%}"), Column("GiB", "memory_gib", "{:.1f}"),
+               *(Column(k.replace("_", "-"), k, "{:.1%}") for k in parts)]
+    print_table(None, columns, [{**r, **r["parts"]} for r in rows])  # type: ignore[dict-item]
     if args.simulate and ranked[0].config.pp > 1:
         sim, formula, bubble = simulate_pipeline(ranked[0], model)
         c = ranked[0].config

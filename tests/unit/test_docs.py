@@ -11,6 +11,7 @@ recomputed on every run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -110,3 +111,65 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
         assert not missing, (f"{page.name}, python block {n + 1}: the page shows lines the "
                              f"block does not print:\n" + "\n".join(missing)
                              + f"\n--- it printed:\n{printed[n]}")
+
+
+def _bus_tables(text: str) -> dict[str, list[list[str]]]:
+    """topology.md's bus-bandwidth tables, by the topology they are of."""
+    out: dict[str, list[list[str]]] = {}
+    for head, body in re.findall(r"^\*\*(8 H100 on NVLink|2 nodes x 8 H100)[^\n]*\n\n"
+                                 r"\|[^\n]*\n\|[-| ]*\n((?:\|[^\n]*\n)+)", text, re.M):
+        out[head] = [[c.strip() for c in row.strip().strip("|").split("|")]
+                     for row in body.splitlines()]
+    return out
+
+
+def test_topology_bus_bandwidth_tables_are_the_models() -> None:
+    """Every cell of the two tables of predicted nccl-tests bus bandwidth, recomputed."""
+    from fuelspmd.cost import CostModel
+    from fuelspmd.topology import Topology
+
+    tables = _bus_tables((DOCS / "topology.md").read_text())
+    assert set(tables) == {"8 H100 on NVLink", "2 nodes x 8 H100"}
+    units = {"MiB": 2**20, "GiB": 2**30}
+    for head, (topo, n) in {"8 H100 on NVLink": (Topology.load("dgx-h100"), 8),
+                            "2 nodes x 8 H100": (Topology.load("two-node-h100-ib"), 16)}.items():
+        model = CostModel(topo)
+        per = topo.nodes[0].nics if n > 8 else 1  # across nodes: per NIC of a node
+        for size, ring_ms, ring_bw, best, best_bw in tables[head]:
+            count, unit = size.split()
+            nbytes = int(count) * units[unit]
+            bus = 2 * (n - 1) / n * nbytes / 1e9 / per  # nccl-tests' busbw x seconds
+            ring = model.predict("all_reduce", nbytes, range(n), algorithm="ring")
+            choice = model.best_algorithm("all_reduce", nbytes, range(n))
+            assert (f"{ring * 1e3:.3f}", f"{bus / ring:.1f}") == (ring_ms, ring_bw), size
+            assert (choice.algorithm, f"{bus / choice.seconds:.1f}") == (best, best_bw), size
+
+
+PLAN_1T = ["plan", "--layers", "128", "--hidden", "25600", "--heads", "160", "--seq", "2048",
+           "--vocab", "51200", "--batch", "3072", "--gpus", "3072", "--topology", "a100-selene"]
+PLAN_175B = ["plan", "--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048",
+             "--vocab", "51200", "--batch", "1536", "--gpus", "1024", "--topology",
+             "a100-selene", "--top", "20", "--json"]
+
+
+@pytest.mark.timeout(180)
+def test_topology_prose_figures_are_the_planners() -> None:
+    """The planner's figures topology.md quotes in its prose, recomputed: the 1T run's
+    replayed pipeline against the formula, and the 175B run's predicted TFLOP/s."""
+    text = " ".join((DOCS / "topology.md").read_text().split())
+    sim = subprocess.run([sys.executable, "-m", "fuelspmd", *PLAN_1T, "--top", "1",
+                          "--simulate"], capture_output=True, text=True, timeout=150)
+    found = re.search(r"([0-9.]+) s simulated, ([0-9.]+) s by the formula \(([-+0-9.]+)%\)",
+                      sim.stdout)
+    assert found, sim.stdout + sim.stderr
+    replay, formula, gap = (float(x) for x in found.groups())
+    assert (f"the replay takes {replay:.1f} s against the formula's {formula:.1f} s "
+            f"({gap:.1f}%") in text, sim.stdout
+    plans = json.loads(subprocess.run([sys.executable, "-m", "fuelspmd", *PLAN_175B],
+                                      capture_output=True, text=True, timeout=60).stdout)
+    best = plans["plans"][0]
+    tp8 = next(p for p in plans["plans"] if (p["tp"], p["pp"]) == (8, 16))
+    assert (best["tp"], best["pp"]) == (4, 16)
+    assert (f"the planner's best layout (tp 4, pp 16) predicts {best['tflops_per_gpu']:.0f} "
+            f"(+{best['tflops_per_gpu'] / 140 - 1:.0%}) and its tp 8, pp 16 layout "
+            f"{tp8['tflops_per_gpu']:.0f} (+{tp8['tflops_per_gpu'] / 140 - 1:.0%})") in text

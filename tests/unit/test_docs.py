@@ -2,11 +2,13 @@
 the output a page shows for a block is what the block prints.
 
 Blocks of one page run in order in one namespace, in a fresh process (a page may call
-``fs.init()``), from a scratch directory. A fenced block that follows a python block with at
-most a line of prose between them (``prints``) is that block's output: each of its lines
-must be in what the block printed (spaces and line breaks aside: the page may wrap a long
-line), so a figure the docs show from the model, the planner or the simulator is
-recomputed on every run.
+``fs.init()``), from a scratch directory, as a module named ``fuelspmd_docs`` rather than
+``__main__``: a program's ``if __name__ == "__main__":`` guard leaves it to the page's
+later blocks to call its ``main`` (with the arguments they show). A fenced block that
+follows a python block with at most a line of prose between them (``prints``) is that
+block's output: each of its lines must be in what the block printed (spaces and line
+breaks aside: the page may wrap a long line), so a figure the docs show from the model,
+the planner or the simulator is recomputed on every run.
 """
 
 from __future__ import annotations
@@ -97,7 +99,10 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     if not code:
         pytest.skip(f"{page.name} has no python blocks")
     script = tmp_path / "page.py"
-    script.write_text("\n\n".join(f"{body}\nprint({MARK!r}, flush=True)" for body in code))
+    preamble = ('import sys\nsys.modules["fuelspmd_docs"] = sys.modules["__main__"]\n'
+                '__name__ = "fuelspmd_docs"\n')
+    script.write_text(preamble + "\n\n".join(f"{body}\nprint({MARK!r}, flush=True)"
+                                               for body in code))
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "MPI_", "OMPI_", "SLURM_"))}
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
@@ -173,3 +178,30 @@ def test_topology_prose_figures_are_the_planners() -> None:
     assert (f"the planner's best layout (tp 4, pp 16) predicts {best['tflops_per_gpu']:.0f} "
             f"(+{best['tflops_per_gpu'] / 140 - 1:.0%}) and its tp 8, pp 16 layout "
             f"{tp8['tflops_per_gpu']:.0f} (+{tp8['tflops_per_gpu'] / 140 - 1:.0%})") in text
+
+
+def test_the_index_links_every_page_and_the_nav_lists_it() -> None:
+    index = (DOCS / "index.md").read_text()
+    nav = (DOCS.parent / "mkdocs.yml").read_text()
+    for page in PAGES:
+        if page.name != "index.md":
+            assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
+        assert f": {page.name}\n" in nav, f"mkdocs.yml's nav does not list {page.name}"
+
+
+# how the project's own development machines were described; a user's page has no use for it
+DEVELOPMENT = re.compile(r"2-core machine|shared with other jobs|GPU suite|the project's own|"
+                         r"the project's \d|device tool|these machines|we are lent", re.I)
+# pages another change is rewriting, with the reason; each is checked all the same
+BEING_REWRITTEN = {"reliability.md": "rewritten with the guard (the recv on an exited peer)"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=pytest.mark.xfail(reason=BEING_REWRITTEN[p.name]))
+    if p.name in BEING_REWRITTEN else p for p in [*PAGES, DOCS.parent / "README.md"]],
+    ids=lambda p: p.name)
+def test_pages_speak_to_users_not_of_the_development_machines(page: Path) -> None:
+    found = [f"{page.name}:{n}: {line.strip()}"
+             for n, line in enumerate(page.read_text().splitlines(), 1)
+             if DEVELOPMENT.search(line)]
+    assert not found, "\n".join(found)

@@ -13,7 +13,7 @@ from fuelspmd.backend import cuda_device_count
 
 def require_gpus(n: int = 1) -> ModuleType:
     """Return cupy, or skip the calling module: no cupy, or fewer than ``n`` CUDA devices."""
-    cupy = pytest.importorskip("cupy", reason="needs cupy: pip install 'fuelspmd[gpu]'")
+    cupy = pytest.importorskip("cupy", reason="needs cupy: pip install -e '.[gpu]'")
     found = cuda_device_count()
     if found < n:
         pytest.skip(f"needs {n} CUDA GPU(s), cupy sees {found}", allow_module_level=True)

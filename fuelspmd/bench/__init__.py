@@ -12,6 +12,7 @@ without importing this package.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import statistics
@@ -105,11 +106,15 @@ def print_table(title: str | None, columns: Sequence[Column],
         table.add_column(c.header, justify="right", no_wrap=True)
     for r in rows:
         table.add_row(*(c.cell(r) for c in columns))
+    # laid out into a string and written here: rich's own writer turns a closed pipe into
+    # SystemExit(1), where the CLI gives a closed pipe its own status. Wide enough never to
+    # wrap: a log line may be long, a cut number is wrong.
+    text = io.StringIO()
+    Console(file=text, width=100_000, highlight=False, soft_wrap=True,
+            force_terminal=out.isatty()).print(table)
     if title is not None:
         print(f"# {title}", file=out)
-    # wide enough never to wrap: a log line may be long, a cut number is wrong
-    Console(file=out, width=100_000, highlight=False, soft_wrap=True).print(table)
-    print(file=out, flush=True)
+    print(text.getvalue(), file=out, flush=True)
 
 
 def print_json(payload: Mapping[str, Any], *, out: TextIO | None = None) -> None:

@@ -76,7 +76,10 @@ def test_an_error_every_rank_raises_prints_one_traceback() -> None:
     # the first rank's header and 4 lines of traceback, a line from each other rank that
     # failed before the first one's abort ended it, and that abort, reported once by MPICH
     report = [line for line in job.err.splitlines() if not line.startswith("Abort(")]
-    assert len(report) == 5 + len(others), job.err
+    mine = [line for line in report if line.startswith(f"[rank {first[0]}] ")]
+    assert mine[0].endswith("unhandled ConfigError; aborting all 4 ranks")
+    assert mine[1].endswith("Traceback (most recent call last):"), job.err
+    assert len(report) == len(mine) + len(others), job.err
     assert len(re.findall(r"^Abort\(1\) on node", job.err, re.M)) == 1, job.err
     _assert_no_segments_left(out)
 

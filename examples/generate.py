@@ -205,7 +205,8 @@ def reference_tokens(args: argparse.Namespace) -> list[list[int]]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--devices", default=None,
-                   help="run as a DeviceGroup in this process: 'cpu:2' or 'cpu:0,cpu:1'")
+                   help="run as a DeviceGroup in this process: 'cpu:2' (a count: cpu:0 "
+                        "and cpu:1) or a list 'cpu:0,strict:0'")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prefix", type=int, default=128, help="shared prompt tokens")
     p.add_argument("--suffix", type=int, default=8, help="each request's own prompt tokens")
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.devices is not None:
         group = fs.DeviceGroup.parse(args.devices, timeout=60.0)
+        print(f"{group} from --devices {args.devices}", file=sys.stderr)
         result = group.run(generate, [args] * group.size)[0]
     else:
         world = fs.init(timeout=60.0)

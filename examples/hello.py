@@ -7,13 +7,15 @@ Run it any way a fuelspmd program runs::
     srun -n 4 --mpi=pmi2 python examples/hello.py  # four Slurm tasks
     sbatch --ntasks=4 slurm/single-node.sbatch examples/hello.py
 
-Every rank prints one JSON line: its place in the job (rank, size, local rank, node,
-launcher, device) and the all-reduced sum of ``[rank, rank + 1, rank + 2]`` over all ranks,
-which must equal ``[s, s + size, s + 2 * size]`` with ``s = size * (size - 1) / 2``; ``ok``
-says whether it does. ``--exit-code N`` makes rank ``--exit-rank`` exit with N afterwards
-(to see how a launcher reports a failed rank); ``--raise-on-rank R`` makes rank R raise
-before the all-reduce, which the others are then blocked in (to see one failure end the
-job).
+Every rank prints one JSON line (``world.print(..., ranks="all")``: by default only rank 0
+prints, and each call is one write, so the ranks' lines never run together): its place in
+the job (rank, size, local rank, node, launcher, device) and the all-reduced sum of
+``[rank, rank + 1, rank + 2]`` over all ranks, which must equal
+``[s, s + size, s + 2 * size]`` with ``s = size * (size - 1) / 2``; ``ok`` says whether it
+does. Then rank 0 alone prints a summary line. ``--exit-code N`` makes rank
+``--exit-rank`` exit with N afterwards (to see how a launcher reports a failed rank);
+``--raise-on-rank R`` makes rank R raise before the all-reduce, which the others are then
+blocked in (to see one failure end the job).
 """
 
 from __future__ import annotations
@@ -57,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         "all_reduce": buf.tolist(),
         "ok": buf.tolist() == expected,
     })
-    # One write per line: with PYTHONUNBUFFERED, print() writes the text and the newline
-    # separately, and two ranks sharing one output file could interleave between them.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    world.print(line, ranks="all", prefix=False)  # JSON lines: no [rank R] prefix
+    world.print(f"{world.size} rank(s) on {world.num_nodes} node(s) agree: "
+                f"{buf.tolist() == expected}")
     return args.exit_code if world.rank == args.exit_rank else 0
 
 

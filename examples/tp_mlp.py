@@ -46,17 +46,16 @@ def train(comm: Any, args: argparse.Namespace) -> list[float]:
         fs.realize(loss, *new)  # forward, backward and update: one graph
         mlp.set_parameters(new)
         losses.append(float(loss.numpy()))
-        if comm.rank == 0:
-            sys.stdout.write(json.dumps({"step": step, "tp": comm.size,
-                                         "loss": round(losses[-1], 6)}) + "\n")
-            sys.stdout.flush()
+        fs.rank_print(comm, json.dumps({"step": step, "tp": comm.size,
+                                        "loss": round(losses[-1], 6)}))  # rank 0 only
     return losses
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--devices", default=None,
-                        help="run as a DeviceGroup in this process: 'cpu:2' or 'cpu:0,cpu:1'")
+                        help="run as a DeviceGroup in this process: 'cpu:2' (a count: "
+                             "cpu:0 and cpu:1) or a list 'cpu:0,strict:0'")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
@@ -65,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.devices is not None:
         group = fs.DeviceGroup.parse(args.devices, timeout=60.0)
+        print(f"{group} from --devices {args.devices}", file=sys.stderr)
         losses = group.run(train, [args] * group.size)[0]
     else:
         losses = train(fs.init(timeout=60.0).comm, args)

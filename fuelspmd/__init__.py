@@ -48,6 +48,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "init": "fuelspmd.launch",
     "World": "fuelspmd.launch",
+    "rank_print": "fuelspmd.launch.output",
     "Tensor": "fuelspmd.tensor",
     "tensor": "fuelspmd.tensor",
     "zeros": "fuelspmd.tensor",

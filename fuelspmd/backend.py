@@ -30,10 +30,22 @@ from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import DeviceError, DTypeError
 
-__all__ = ["Backend", "Device", "Spares", "cuda_device_count", "cuda_unavailable_reason",
-           "device", "get_backend", "to_host", "tracked", "transfer"]
+__all__ = ["DEVICES_FORMS", "Backend", "Device", "Spares", "cuda_device_count",
+           "cuda_unavailable_reason", "device", "device_limit", "get_backend", "parse_devices",
+           "to_host", "tracked", "transfer"]
 
 _KINDS = ("cpu", "cuda", "strict")
+# A host device (cpu, strict) is a thread of this process, not a piece of hardware: more of
+# them than cores time-share the cores, which is fine for a test of the program and useless
+# past a few per core (each step then measures the scheduler).
+_HOST_DEVICES_PER_CORE = 4
+
+DEVICES_FORMS = """\
+--devices takes one of two forms:
+  KIND:N            a count: the N devices KIND:0 .. KIND:N-1 ('cpu:4' is cpu:0,cpu:1,cpu:2,cpu:3)
+  KIND:I,KIND:J,..  a list: exactly these devices, by index; a list has a comma, so one
+                    chosen device is written with a trailing one ('cuda:1,' is GPU 1 alone)
+KIND is cpu, cuda or strict."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +88,79 @@ def device(x: Device | str | None) -> Device:
         raise DeviceError(f"a device is a string like 'cpu:0' or 'cuda:1', got {x!r}")
     kind, _, index = x.strip().partition(":")
     if index and not index.isdigit():
-        raise DeviceError(f"device {x!r}: the index after ':' must be a number, as in 'cuda:1'")
+        raise DeviceError(f"device {x!r}: the index after ':' must be a whole number >= 0, "
+                          "as in 'cuda:1'")
     return Device(kind, int(index) if index else 0)
+
+
+def device_limit(kind: str) -> int:
+    """How many devices of ``kind`` this process can use: the GPUs cupy sees for cuda;
+    ``_HOST_DEVICES_PER_CORE`` per core for the host kinds (a host device is a thread)."""
+    if kind not in _KINDS:
+        raise DeviceError(f"unknown device kind {kind!r}; use one of {list(_KINDS)}\n"
+                          + DEVICES_FORMS)
+    if kind == "cuda":
+        return cuda_device_count()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return _HOST_DEVICES_PER_CORE * cores
+
+
+def _too_many(kind: str, spec: str, asked: str) -> DeviceError:
+    """The error of a count or an index past what :func:`device_limit` allows."""
+    limit = device_limit(kind)
+    if kind == "cuda":
+        seen = (f"cupy sees {limit} GPU(s), cuda:0 .. cuda:{limit - 1}" if limit
+                else "cupy sees no GPU (no GPU, no driver, or cupy not installed: "
+                     "pip install -e '.[gpu]')")
+    else:
+        seen = (f"at most {limit} {kind} devices here ({_HOST_DEVICES_PER_CORE} per core: a "
+                f"{kind} device is a thread of this process), {kind}:0 .. {kind}:{limit - 1}")
+    return DeviceError(f"--devices {spec!r} asks for {asked}, but {seen}\n" + DEVICES_FORMS)
+
+
+def parse_devices(spec: str) -> list[Device]:
+    """Read a ``--devices`` argument: the count form ``KIND:N`` or a comma list.
+
+    The two forms differ by the comma, so ``cuda:1`` (one device, ``cuda:0``) and
+    ``cuda:1,`` (GPU 1) cannot be taken for each other. Counts and indices are checked
+    against the devices this process can use (:func:`device_limit`).
+    """
+    text = spec.strip()
+    if "," not in text:
+        kind, colon, count = text.partition(":")
+        if kind not in _KINDS:
+            raise DeviceError(f"--devices {spec!r}: unknown device kind {kind!r}\n"
+                              + DEVICES_FORMS)
+        if not colon or not count.strip().isdigit():
+            raise DeviceError(f"--devices {spec!r}: a count is a whole number after "
+                              f"'{kind}:', as in '{kind}:2'\n" + DEVICES_FORMS)
+        n = int(count)
+        if n < 1:
+            raise DeviceError(f"--devices {spec!r}: the count form asks for {n} devices; "
+                              f"give at least 1 ('{kind}:1'), or name the device "
+                              f"{kind}:0 alone as the list '{kind}:0,'\n" + DEVICES_FORMS)
+        if n > device_limit(kind):
+            raise _too_many(kind, spec, f"{n} {kind} device{'s' * (n > 1)}")
+        return [Device(kind, i) for i in range(n)]
+    entries = [e.strip() for e in text.split(",")]
+    if not any(entries) or any(not e for e in entries[:-1]):
+        raise DeviceError(f"--devices {spec!r}: an empty entry in the list\n" + DEVICES_FORMS)
+    devices = []
+    for entry in filter(None, entries):
+        kind, colon, index = entry.partition(":")
+        if kind not in _KINDS or not colon or not index.isdigit():
+            raise DeviceError(f"--devices {spec!r}: list entry {entry!r} is not KIND:INDEX "
+                              "with an index >= 0\n" + DEVICES_FORMS)
+        if int(index) >= device_limit(kind):
+            raise _too_many(kind, spec, entry)
+        devices.append(Device(kind, int(index)))
+    if len(set(devices)) != len(devices):
+        raise DeviceError(f"--devices {spec!r}: names a device twice; name each once\n"
+                          + DEVICES_FORMS)
+    return devices
 
 
 # the device nodes an NVIDIA driver makes (Linux; /dev/dxg is WSL2's GPU paravirtualisation)
@@ -92,7 +175,7 @@ def _cuda_probe() -> tuple[int, str | None]:
     try:
         import cupy
     except ImportError as e:
-        return 0, f"cupy is not installed ({e}): pip install 'fuelspmd[gpu]'"
+        return 0, f"cupy is not installed ({e}): pip install -e '.[gpu]' (or '.[gpu13]')"
     try:
         n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as e:  # cupy raises its own CUDARuntimeError
@@ -135,7 +218,8 @@ class Backend:
                 import cupy
             except ImportError as e:
                 raise DeviceError(
-                    "a cuda device needs cupy: pip install 'fuelspmd[gpu]'") from e
+                    "a cuda device needs cupy: pip install -e '.[gpu]' in the fuelspmd "
+                    "checkout ('.[gpu13]' for CUDA 13)") from e
             self.lib = cupy
         else:
             try:

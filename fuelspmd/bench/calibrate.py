@@ -5,8 +5,9 @@ Run as ``mpiexec -n 4 fuelspmd bench calibrate`` (any size >= 2). For every grou
 outside the group sleep, so a group of 2 on 2 cores is not measured oversubscribed), every
 collective (all_reduce, all_gather, reduce_scatter) and every size from 8 B to 64 MiB, the
 world transport's collective is timed in repetitions that alternate between two sets, A
-and B, so both see the same machine state (these machines switch between fast and slow
-states for minutes at a time). A repetition is the slowest rank's median operation.
+and B, so both see the same machine state (a loaded or clock-changing machine switches
+between fast and slow states for minutes at a time). A repetition is the slowest rank's
+median operation.
 
 Set A fits the model; set B, which the fit never saw, judges it (the printed table: error
 per point, median per collective and group size, ranks per core). The model of one
@@ -24,7 +25,16 @@ B, R and crowded latency per ranks-per-core ratio, chosen together to minimise t
 summed |log error| (a relative error: least squares on absolute time would let 64 MiB
 decide everything).
 MPICH's eager and rendezvous protocols and its size switches between algorithms are why
-one line cannot fit (measured: one line gave a 47% median error at 3-4 ranks). The
+one line cannot fit.
+
+The fit is bounded by physics (:class:`Bounds`): no latency below ``MIN_LATENCY_S`` (a
+message between two cores moves at least a cache line through the coherence fabric) and no
+bandwidth, of a transfer or of a reduction, above what one core of this machine copies
+(measured in the same run: a message between ranks is at least one copy by one core).
+Without them a band of large sizes, whose times the latency hardly changes, fits any
+latency down to zero, and a few fast points fit a bandwidth no memory has. The output says
+how good the fit is on set B: the median and worst |error|, R^2 of log(time), and which
+parameters sit on a bound (there the measurements did not determine them). The
 parameters are saved where :func:`fuelspmd.cost.load_calibration` finds them (``shm``:
 the one-link view ``detect`` reads; ``regimes``: what :func:`fuelspmd.cost.calibrated_model`
 uses); ``--points FILE`` refits a saved file's measurements without MPI.
@@ -32,7 +42,6 @@ uses); ``--points FILE`` refits a saved file's measurements without MPI.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -40,11 +49,13 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fuelspmd.bench import parser
 from fuelspmd.cost.calibration import save_calibration
 from fuelspmd.cost.collectives import CostModel
 from fuelspmd.cost.regimes import Regime, regimes_to_dict
@@ -53,7 +64,8 @@ from fuelspmd.launch import init
 from fuelspmd.topology import Link, Node, Topology, cpu_cores
 from fuelspmd.transport import ReduceOp, Transport
 
-__all__ = ["check", "fit", "main", "measure", "model_for", "summary"]
+__all__ = ["MIN_LATENCY_S", "Bounds", "check", "copy_bandwidth", "fit", "main", "measure",
+           "model_for", "quality", "summary"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = (8, 64, 512, 4096, 32768, 262144, 2**21, 2**24, 2**26)
@@ -162,10 +174,51 @@ def _coefficients(records: list[dict[str, Any]], cores: int) -> list[np.ndarray]
     return out
 
 
-# alpha (s), beta, gamma (s/B), crowded latency (s): the grid's first range
-_LO = np.log10([1e-8, 1e-12, 1e-12])
-_HI = np.log10([1e-2, 1e-7, 1e-7])
-_CLO, _CHI = np.log10(1e-7), np.log10(1e-1)
+# A cache line between two cores of one socket takes tens of nanoseconds; an MPI message
+# moves a header and a payload through shared memory and polls a flag: at least 100 ns.
+MIN_LATENCY_S = 1e-7
+# the slowest rates and longest latency the fit considers (a link slower than this is not
+# shared memory)
+_MAX_LATENCY_S, _MIN_BANDWIDTH = 1e-2, 1e7
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What physics allows the fitted parameters: a latency floor (s) and a ceiling on the
+    transfer and reduce bandwidths (B/s)."""
+
+    min_latency: float = MIN_LATENCY_S
+    max_bandwidth: float = 1e12
+
+    def grid(self) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """log10 ranges of (alpha, beta, gamma) and of the crowded latency."""
+        lo = np.log10([self.min_latency, 1 / self.max_bandwidth, 1 / self.max_bandwidth])
+        hi = np.log10([_MAX_LATENCY_S, 1 / _MIN_BANDWIDTH, 1 / _MIN_BANDWIDTH])
+        return lo, hi, float(np.log10(self.min_latency)), float(np.log10(0.1))
+
+    def at_bound(self, regime: Regime) -> list[str]:
+        """The parameters of ``regime`` that sit on a bound (within 1%)."""
+        out = []
+        if regime.latency <= self.min_latency * 1.01:
+            out.append(f"alpha at the {self.min_latency * 1e6:g} us floor")
+        for name, value in (("bandwidth", regime.bandwidth),
+                            ("reduce bandwidth", regime.reduce_bandwidth)):
+            if value >= self.max_bandwidth / 1.01:
+                out.append(f"{name} at the {self.max_bandwidth / 1e9:.3g} GB/s ceiling")
+        return out
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
+    """Bytes per second one core copies between two buffers of ``nbytes`` (the best of
+    ``reps``): the ceiling of any one-copy transfer on this machine."""
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)  # fault the pages in before timing
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
 
 def _errors(coefs: list[np.ndarray], meas: np.ndarray, lat: np.ndarray,
@@ -179,24 +232,27 @@ def _errors(coefs: list[np.ndarray], meas: np.ndarray, lat: np.ndarray,
     return err
 
 
-def _fit_band(coefs: list[np.ndarray], meas: np.ndarray, levels: list[float | None]
-              ) -> tuple[np.ndarray, dict[float, float], float]:
+def _fit_band(coefs: list[np.ndarray], meas: np.ndarray, levels: list[float | None],
+              bounds: Bounds) -> tuple[np.ndarray, dict[float, float], float]:
     """Alpha, beta, gamma and one crowded latency per ranks-per-core level minimising the
     summed |log(model / measured)| over one band's points, and that sum.
 
-    A grid over (alpha, beta, gamma), refined twice around the best point; the crowded
-    latency of each level touches only that level's points, so for every grid point it is
-    its own 1-D search (summed in, not multiplied into the grid).
+    A grid over (alpha, beta, gamma) inside ``bounds``, refined twice around the best point
+    (never past a bound); the crowded latency of each level touches only that level's
+    points, so for every grid point it is its own 1-D search (summed in, not multiplied
+    into the grid).
     """
+    lo, hi, clo, chi = bounds.grid()
     groups: dict[float | None, list[int]] = {}
     for k, lv in enumerate(levels):
         groups.setdefault(lv, []).append(k)
-    best = (_LO + _HI) / 2
-    crowd = {lv: (_CLO + _CHI) / 2 for lv in groups if lv is not None}
+    best = (lo + hi) / 2
+    crowd = {lv: (clo + chi) / 2 for lv in groups if lv is not None}
     total = np.zeros(1)
     for width in (None, 0.5, 0.1):
-        axes = [np.linspace(_LO[i], _HI[i], 13) if width is None else
-                np.linspace(best[i] - width, best[i] + width, 9) for i in range(3)]
+        axes = [np.linspace(lo[i], hi[i], 13) if width is None else
+                np.clip(np.linspace(best[i] - width, best[i] + width, 9), lo[i], hi[i])
+                for i in range(3)]
         grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, 3)
         total = np.zeros(len(grid))
         picks: dict[float, np.ndarray] = {}
@@ -206,8 +262,8 @@ def _fit_band(coefs: list[np.ndarray], meas: np.ndarray, levels: list[float | No
                 for k in idx:
                     total += np.abs(np.log((coefs[k] @ params.T).min(axis=0) / meas[k]))
                 continue
-            line = (np.linspace(_CLO, _CHI, 13) if width is None else
-                    np.linspace(crowd[lv] - width, crowd[lv] + width, 9))
+            line = (np.linspace(clo, chi, 13) if width is None else
+                    np.clip(np.linspace(crowd[lv] - width, crowd[lv] + width, 9), clo, chi))
             err = _errors([coefs[k] for k in idx], meas[idx], 10.0**line, 10.0**grid[:, 1:])
             picks[lv] = line[err.argmin(axis=1)]
             total += err.min(axis=1)
@@ -218,10 +274,10 @@ def _fit_band(coefs: list[np.ndarray], meas: np.ndarray, levels: list[float | No
 
 
 def fit(records: list[dict[str, Any]], *, cores: int, max_regimes: int = 3,
-        min_sizes: int = 2) -> list[Regime]:
+        min_sizes: int = 2, bounds: Bounds | None = None) -> list[Regime]:
     """Fit set A: at most ``max_regimes`` size bands of at least ``min_sizes`` measured sizes
     each, and per band the alpha, crowded latencies, bandwidth and reduce bandwidth
-    (:mod:`fuelspmd.cost.regimes`) minimising the summed |log error|.
+    (:mod:`fuelspmd.cost.regimes`) inside ``bounds`` minimising the summed |log error|.
 
     Bands and their parameters are chosen together: every contiguous run of sizes is
     fitted once and a dynamic programme picks the partition with the least total error.
@@ -241,7 +297,7 @@ def fit(records: list[dict[str, Any]], *, cores: int, max_regimes: int = 3,
         for j in range(i + width, len(sizes) + 1):
             pick_ = [k for k, w in enumerate(where) if i <= w < j]
             bands[i, j] = _fit_band([coefs[k] for k in pick_], meas[pick_],
-                                    [levels[k] for k in pick_])
+                                    [levels[k] for k in pick_], bounds or Bounds())
     # best[k][j]: least error covering sizes[:j] with k bands, and the cut that gave it
     inf = float("inf")
     best: list[list[tuple[float, int]]] = [[(inf, -1)] * (len(sizes) + 1)
@@ -304,6 +360,19 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def quality(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """How well the model predicts set B: the median and worst |relative error| and R^2 of
+    log(time) (1 - residual / total sum of squares; 1 is a perfect fit, 0 no better than
+    one time for every point)."""
+    meas = np.log([r["check_s"] for r in rows])
+    pred = np.log([r["predicted_s"] for r in rows])
+    total = float(((meas - meas.mean()) ** 2).sum())
+    r2 = 1.0 - float(((meas - pred) ** 2).sum()) / total if total > 0 else 1.0
+    errors = [r["error"] for r in rows]
+    return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+            "r2_log_time": r2}
+
+
 def _table(rows: list[dict[str, Any]], cores: int) -> str:
     lines = [f"{'collective':<15}{'n':>2}{'n/core':>7}{'bytes':>10}{'measured':>12}"
              f"{'predicted':>12}{'error':>8}  algorithm"]
@@ -321,22 +390,23 @@ def _table(rows: list[dict[str, Any]], cores: int) -> str:
     return "\n".join(lines)
 
 
-def _describe(regimes: list[Regime]) -> str:
+def _describe(regimes: list[Regime], bounds: Bounds) -> str:
     parts = []
     for r in regimes:
         crowd = "".join(f", {x:.3g} ranks/core: {v * 1e6:.0f} us" for x, v in r.crowded)
         upto = "inf" if math.isinf(r.upto) else f"{r.upto:.0f} B"
-        parts.append(f"  up to {upto}: alpha {r.latency * 1e6:.2f} us, bandwidth "
-                     f"{r.bandwidth / 1e9:.2f} GB/s, reduce {r.reduce_bandwidth / 1e9:.2f} "
-                     f"GB/s{crowd}")
+        pinned = bounds.at_bound(r)
+        note = f" ({'; '.join(pinned)}: not determined by these sizes)" if pinned else ""
+        parts.append(f"  up to {upto}: alpha {r.latency * 1e6:.3g} us, bandwidth "
+                     f"{r.bandwidth / 1e9:.3g} GB/s, reduce {r.reduce_bandwidth / 1e9:.3g} "
+                     f"GB/s{crowd}{note}")
     return "\n".join(parts)
 
 
 def main(argv: list[str]) -> int:
     """Measure (or read ``--points``), fit, print the check table and save; 0 on success,
     2 on bad use."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench calibrate", __doc__)
     p.add_argument("--groups", default="2,3,4", help="group sizes to measure (default %(default)s)")
     p.add_argument("--reps", type=int, default=6, help="timings per set and point")
     p.add_argument("--max-bytes", type=int, default=2**26, help="largest size (default 64 MiB)")
@@ -375,9 +445,11 @@ def main(argv: list[str]) -> int:
         world_size, rank = world.size, world.rank
     if rank != 0:
         return 0
-    regimes = fit(records, cores=cores, max_regimes=args.regimes)
+    bounds = Bounds(max_bandwidth=copy_bandwidth())
+    regimes = fit(records, cores=cores, max_regimes=args.regimes, bounds=bounds)
     rows = check(records, regimes, cores=cores)
     med = summary(rows)
+    fit_quality = quality(rows)
     last, first = regimes[-1], regimes[0]
     data: dict[str, Any] = {
         "version": 2, "host": socket.gethostname(), "world": world_size, "cores": cores,
@@ -388,7 +460,8 @@ def main(argv: list[str]) -> int:
                 **({} if not first.crowded else
                    {"oversubscribed_latency": first.crowded[0][1]})},
         "regimes": regimes_to_dict(regimes),
-        "fit": {"median_abs_error_check": med["all"], "median_by": med,
+        "bounds": {"min_latency": bounds.min_latency, "max_bandwidth": bounds.max_bandwidth},
+        "fit": {"median_abs_error_check": med["all"], "median_by": med, **fit_quality,
                 "ranks_per_core": sorted({r["ranks"] / cores for r in records}),
                 "points": rows}}
     if not args.no_save:
@@ -399,8 +472,13 @@ def main(argv: list[str]) -> int:
     print(_table(rows, cores))
     print(f"\nfitted on set A, judged on set B; {cores} cores, ranks per core "
           f"{', '.join(f'{x:.3g}' for x in data['fit']['ranks_per_core'])}; load "
-          f"{' '.join(f'{x:.2f}' for x in data['load'])}\n{_describe(regimes)}\n"
-          f"median |error| on the check set {med['all']:.1%}")
+          f"{' '.join(f'{x:.2f}' for x in data['load'])}\n"
+          f"bounds: alpha >= {bounds.min_latency * 1e6:g} us, bandwidths <= "
+          f"{bounds.max_bandwidth / 1e9:.3g} GB/s (one core's copy rate, measured now)\n"
+          f"{_describe(regimes, bounds)}\n"
+          f"quality on the check set: median |error| {fit_quality['median_abs_error']:.1%}, "
+          f"worst {fit_quality['max_abs_error']:.1%}, R^2 of log(time) "
+          f"{fit_quality['r2_log_time']:.3f}")
     if "path" in data:
         print(f"saved to {data['path']}")
     return 0

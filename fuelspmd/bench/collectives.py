@@ -40,6 +40,7 @@ from fuelspmd.bench import (
     median,
     mpi_comm,
     parse_bytes,
+    parser,
     print_json,
     print_table,
     time_calls,
@@ -244,8 +245,7 @@ def _columns(baseline: bool, lazy: bool) -> list[Column]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuelspmd bench collectives", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench collectives", __doc__)
     p.add_argument("--ops", default=",".join(BUS_FACTOR),
                    help="comma-separated ops (default: all of %(default)s)")
     p.add_argument("--min-bytes", default="8", help="smallest size (default 8; 1K, 1M ok)")

@@ -20,14 +20,13 @@ device threads and building and realising the lazy graph.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.bench import Column, interleave, median, parse_bytes, print_json, print_table
+from fuelspmd.bench import Column, interleave, median, parse_bytes, parser, print_json, print_table
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError
@@ -72,8 +71,7 @@ def run(*, devices: int, nbytes: int, rounds: int) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """Run the benchmark and print the table (or JSON). Returns the exit code."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench device_group", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench device_group", __doc__)
     p.add_argument("--devices", type=int, default=4, help="cpu devices in the group (4)")
     p.add_argument("--bytes", default="64M", help="bytes each device reduces (64M)")
     p.add_argument("--iters", type=int, default=10, help="timed rounds per candidate (10)")

@@ -8,7 +8,7 @@ world transport and of a GuardedTransport over it in each mode, in turn, startin
 barrier; the order of the candidates alternates every round (A B, B A, ...) so neither
 always runs first after the barrier. A round's time is the slowest rank's. ``ratio`` is the
 median over rounds of the paired ratio guarded / unguarded (pairs ran back to back, so
-they saw the same machine state: these machines are shared and noisy), ``sum ratio`` the
+they saw the same machine state), ``sum ratio`` the
 ratio of the total times, ``p10 ratio`` the ratio of the 10th percentiles of the round
 times (on a loaded machine most rounds lose time slices to other processes; the fastest
 tenth are the rounds that ran undisturbed, so this ratio is the closest to the guard's
@@ -16,13 +16,12 @@ own cost), ``+us`` the difference of the medians per call.
 
 The guards are built as ``fs.init()`` builds the world's: without a flight recorder
 (``init`` adds one only with ``trace_dir``); ``--recorder`` gives each one, as
-``init(trace_dir=...)`` does. The header gives the machine's load average: these are
-2-core machines shared with other jobs, and a figure taken at load 6 is not one taken at 1.
+``init(trace_dir=...)`` does. The header gives the machine's load average: on a machine
+shared with other work, a figure taken at load 6 is not one taken at load 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.bench import Column, median, parse_bytes, print_json, print_table, time_calls
+from fuelspmd.bench import Column, median, parse_bytes, parser, print_json, print_table, time_calls
 from fuelspmd.comm import MODES, GuardedTransport, Recorder
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
@@ -84,8 +83,7 @@ def run(t: Transport, *, nbytes: int, modes: list[str], rounds: int, warmup: int
 
 def main(argv: list[str]) -> int:
     """Run the benchmark on the world transport; rank 0 prints. Returns the exit code."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench guard", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench guard", __doc__)
     p.add_argument("--bytes", default="1M", help="all_reduce size (default 1M)")
     p.add_argument("--rounds", type=int, default=300, help="interleaved rounds (default 300)")
     p.add_argument("--modes", default="default", help="guard modes to time (default, debug, off)")

@@ -15,14 +15,14 @@ Default sizes. A stage's compute per micro-batch must dominate a hop, which the 
 counts as free: one activation (``batch * hidden * 4`` bytes, 256 KiB by default) takes
 about 0.2 ms between two ranks of one node under MPICH, and in 1F1B's steady state a hop
 sits on the critical path once per micro-batch. With 8 layers of width 1024 per stage a
-micro-batch's F + B is about 70 ms here (F 22, B 50 on a quiet 2-core machine), so hops are
-about 0.3% of it: measured step/sim is 1.005-1.008.
+micro-batch's F + B on a CPU core is hundreds of hops long, so the hops are a small share of
+the step (``step/sim`` in the output says how small).
 
 Sensitivity. At p = 2 the step follows the slower rank while the busy time is the mean of
 both, so a rank ``e`` (relative) slower than the other raises bubble/formula by about
-``(m/2 - m/(m+1)) e``: 3.1 e at m = 8, 1.2 e at m = 4. On these machines identical actions
-vary by about 10% and the ranks' per-step speeds by 1-5% (``imbalance``), so the measured
-``sim bubble``, which has no transfer time in it, is already 1.15-1.35x the formula at m = 8;
+``(m/2 - m/(m+1)) e``: 3.1 e at m = 8, 1.2 e at m = 4. Identical actions vary from one
+micro-batch to the next (``jitter``) and the ranks' speeds differ (``imbalance``), so the
+measured ``sim bubble``, which has no transfer time in it, is already above the formula;
 ``stage formula`` and ``bubble/stage`` separate that from the executor's own overhead.
 
 GPipe and 1F1B steps alternate (A, B, A, B) after one warm-up step each; every figure is
@@ -36,8 +36,7 @@ each action's compute, timed with ``time.perf_counter`` on its rank):
   time), so a gap between it and the formula is uneven action times, and a gap between it
   and ``bubble`` is transfer and wait overhead;
 - ``jitter``: how much identical actions vary, the median over ranks and kinds of the
-  standard deviation of the micro-batches' F (or B) times over their mean (0.05-0.10
-  here: this machine, not the ranks' interference; docs/pipeline.md);
+  standard deviation of the micro-batches' F (or B) times over their mean (docs/pipeline.md);
 - ``imbalance``: the slowest stage's mean F+B per micro-batch over the mean of the
   stages, minus 1 (at p = 2 it is e/2 above: each 1% adds about 6% to bubble/formula at m = 8);
   ``stage formula`` is ``simulate()`` with each stage's mean F and B times (the formula
@@ -56,7 +55,6 @@ against that last backward, and ``--trace`` writes the last 1F1B step as a Chrom
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -68,7 +66,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.autograd import grad, vjp
-from fuelspmd.bench import Column, median, print_json, print_table
+from fuelspmd.bench import Column, median, parser, print_json, print_table
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
@@ -293,8 +291,7 @@ def _stage_means(sched: Any, took: dict[Any, float]) -> tuple[list[float], list[
 
 def main(argv: list[str]) -> int:
     """Run the benchmark and print the table (or JSON) on rank 0. Returns the exit code."""
-    ap = argparse.ArgumentParser(prog="fuelspmd bench pipeline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("fuelspmd bench pipeline", __doc__)
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (8)")
     ap.add_argument("--hidden", type=int, default=1024, help="layer width (1024)")
     ap.add_argument("--batch", type=int, default=64, help="rows per micro-batch (64)")

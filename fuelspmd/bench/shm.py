@@ -11,7 +11,7 @@ with the rank's input (untimed), the ranks meet at a barrier, and one call is ti
 round's time is the slowest rank's. Reported: each candidate's median, the speedup
 ``mpi / shm`` as the median over rounds of the paired ratios (robust to a slow phase), and
 the all-reduce the calibrated cost model picks for the size (``model picks``; the
-calibration of ``$FUELSPMD_CALIBRATION`` or the default place): mpi where it predicts no
+calibration in its default place): mpi where it predicts no
 win for shm.
 
 Correctness, checked once per size before timing: every rank's input is the float32
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.bench import Column, interleave, median, parse_bytes, print_json, print_table
+from fuelspmd.bench import Column, interleave, median, parse_bytes, parser, print_json, print_table
 from fuelspmd.cost.policy import AllReducePlan, Band, planner_for
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
@@ -119,8 +119,7 @@ def run(t: Any, *, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuelspmd bench shm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench shm", __doc__)
     p.add_argument("--sizes", default="1M,4M,16M,64M",
                    help="comma-separated buffer sizes (default %(default)s)")
     p.add_argument("--rounds", type=int, default=40,

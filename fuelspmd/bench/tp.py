@@ -26,7 +26,6 @@ spent in communication when it is not overlapped with compute.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.autograd import grad
-from fuelspmd.bench import Column, interleave, median, print_json, print_table
+from fuelspmd.bench import Column, interleave, median, parser, print_json, print_table
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError
@@ -137,8 +136,7 @@ def run(*, tp: int, batch: int, hidden: int, ffn: int, rounds: int,
 
 def main(argv: list[str]) -> int:
     """Run the benchmark and print the table (or JSON). Returns the exit code."""
-    p = argparse.ArgumentParser(prog="fuelspmd bench tp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd bench tp", __doc__)
     p.add_argument("--tp", type=int, default=2, help="TP degree in one process (2); under "
                    "mpiexec the world size")
     p.add_argument("--batch", type=int, default=64)

@@ -70,7 +70,10 @@ def collect() -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fuelspmd info", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fuelspmd info", description="Print what this installation and this job look "
+        "like: the version, the launcher, the world, the transports found and whether each "
+        "can run here, and the devices.")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--topology", action="store_true",
                         help="print the detected devices, nodes and links as a table")

@@ -17,7 +17,15 @@ import dataclasses
 import json
 import sys
 
-from fuelspmd.cost.transformer import Assumptions, Prediction, Transformer, candidates, plan
+from fuelspmd.bench import Column, parser, print_table
+from fuelspmd.cost.transformer import (
+    Assumptions,
+    Prediction,
+    Transformer,
+    candidates,
+    memory_per_gpu,
+    plan,
+)
 from fuelspmd.errors import ConfigError
 from fuelspmd.pipeline_parallel.schedules import schedule
 from fuelspmd.pipeline_parallel.simulate import simulate
@@ -27,8 +35,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fuelspmd plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("fuelspmd plan", __doc__)
     model = p.add_argument_group("model")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
         model.add_argument(f"--{name}", type=int, required=True,
@@ -78,6 +85,44 @@ def _topology(args: argparse.Namespace) -> Topology:
     acc = dataclasses.replace(acc, **changes)
     nodes = [dataclasses.replace(n, accelerator=acc) for n in topo.nodes]
     return Topology(nodes, network=topo.network, name=topo.name)
+
+
+def _layouts(gpus: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) whose product is ``gpus``."""
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    return [(t, p, gpus // (t * p)) for t in divisors for p in divisors if gpus % (t * p) == 0]
+
+
+def why_no_layout(model: Transformer, gpus: int, microbatches: tuple[int, ...]) -> str:
+    """Say why no (tp, pp, dp) layout of ``gpus`` GPUs suits the model's shapes, and which
+    GPU counts nearby have one: tp must divide the heads, pp the layers, and dp times a
+    micro-batch size the global batch (the rules of :func:`candidates`)."""
+    reasons = []
+    for t, p, d in _layouts(gpus):
+        why = []
+        if model.heads % t:
+            why.append(f"tp {t} does not divide the {model.heads} heads")
+        if model.layers % p:
+            why.append(f"pp {p} does not divide the {model.layers} layers")
+        if all(model.global_batch % (d * b) for b in microbatches):
+            why.append(f"dp {d} x micro-batch {'/'.join(map(str, microbatches))} divides "
+                       f"no batch of {model.global_batch}")
+        reasons.append(f"  tp {t} x pp {p} x dp {d}: " + "; ".join(why))
+    prime = gpus > 1 and len(_layouts(gpus)) == 3
+    head = (f"no layout splits {gpus} GPUs for this model"
+            + (f": {gpus} is prime, so one axis takes all {gpus} GPUs" if prime else "")
+            + " (tp divides the heads, pp the layers, dp x micro-batch the batch):")
+    if len(reasons) > 8:
+        reasons = [*reasons[:8], f"  ... and {len(reasons) - 8} more layouts"]
+    nearby = [n for n in (*range(gpus - 1, 0, -1), *range(gpus + 1, 2 * gpus + 1))
+              if candidates(model, n, microbatches=microbatches)]
+    below = max((n for n in nearby if n < gpus), default=None)
+    above = min((n for n in nearby if n > gpus), default=None)
+    fix = " or ".join(str(n) for n in (below, above) if n is not None)
+    tail = (f"use a GPU count that has a layout, e.g. --gpus {fix}" if fix else
+            "no GPU count near this one has a layout either: check --heads, --layers, "
+            "--batch and --microbatches")
+    return "\n".join([head, *reasons, tail])
 
 
 def simulate_pipeline(pred: Prediction, model: Transformer) -> tuple[float, float, float]:
@@ -148,25 +193,26 @@ def main(argv: list[str]) -> int:
           f"{a.memory_efficiency:.0%} of HBM, {'recompute' if a.recompute else 'no recompute'}"
           f", {a.state_bytes_per_param:g} B/param of state, {a.memory_reserve:.0%} memory "
           "kept free")
+    if not total:
+        print(f"fuelspmd plan: {why_no_layout(model, args.gpus, mbs)}", file=sys.stderr)
+        return 2
     if not ranked:
-        print(f"nothing fits: none of {total} layouts fits in a GPU's memory; add GPUs, "
+        need = min(memory_per_gpu(model, c, assumptions=a)
+                   for c in candidates(model, args.gpus, microbatches=mbs))
+        usable = acc.memory * (1 - a.memory_reserve)
+        print(f"fuelspmd plan: nothing fits: none of the {total} layouts fits in a GPU's "
+              f"memory (the smallest needs {need / 2**30:.1f} GiB per GPU, "
+              f"{usable / 2**30:.2f} GiB usable of {acc.memory / 2**30:.2f}); add GPUs, "
               "use GPUs with more memory, or keep recomputation on", file=sys.stderr)
         return 2
     print(f"{len(ranked)} (tp, pp, dp) layouts fit of {total} candidates; best first:\n")
-    head = ("#", "tp", "pp", "dp", "mb", "v", "step s", "TFLOP/s", "%peak", "GiB",
-            "compute", "tp-comm", "pp-comm", "bubble", "dp-comm")
-    lines = [head]
-    for r in rows:
-        parts = r["parts"]
-        assert isinstance(parts, dict)
-        lines.append((str(r["rank"]), str(r["tp"]), str(r["pp"]), str(r["dp"]),
-                      str(r["microbatch"]), str(r["chunks"]), f"{r['step_s']:.2f}",
-                      f"{r['tflops_per_gpu']:.0f}", f"{r['peak_share']:.0%}",
-                      f"{r['memory_gib']:.1f}", *(f"{parts[k]:.1%}" for k in (
-                          "compute", "tp_comm", "pp_comm", "bubble", "dp_comm"))))
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    for line in lines:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    parts = ("compute", "tp_comm", "pp_comm", "bubble", "dp_comm")
+    columns = [Column("#", "rank"), *(Column(k, k) for k in ("tp", "pp", "dp")),
+               Column("mb", "microbatch"), Column("v", "chunks"),
+               Column("step s", "step_s", "{:.2f}"), Column("TFLOP/s", "tflops_per_gpu", "{:.0f}"),
+               Column("%peak", "peak_share", "{:.0%}"), Column("GiB", "memory_gib", "{:.1f}"),
+               *(Column(k.replace("_", "-"), k, "{:.1%}") for k in parts)]
+    print_table(None, columns, [{**r, **r["parts"]} for r in rows])  # type: ignore[dict-item]
     if args.simulate and ranked[0].config.pp > 1:
         sim, formula, bubble = simulate_pipeline(ranked[0], model)
         c = ranked[0].config

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from fuelspmd.errors import ConfigError, ScheduleError
 from fuelspmd.pipeline_parallel import SCHEDULE_KINDS, schedule, simulate
-from fuelspmd.pipeline_parallel.render import grid, png
+from fuelspmd.pipeline_parallel.render import (
+    READABLE_PX,
+    grid,
+    narrowest_action_px,
+    png,
+    width_for,
+)
 
 __all__ = ["main"]
 
@@ -36,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time (zb-h1)")
     p.add_argument("--t-comm", type=float, default=0.0, help="time per hop between ranks")
     p.add_argument("--png", type=Path, default=None, help="write a timeline picture here")
+    p.add_argument("--png-width", type=int, default=1200,
+                   help="the picture's width in pixels (default %(default)s)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     return p
 
@@ -58,6 +66,10 @@ def _formula(
 def main(argv: list[str]) -> int:
     """Run ``fuelspmd schedule`` with ``argv`` (without the program name); return the exit code."""
     args = _parser().parse_args(argv)
+    if args.png is not None and not args.png.parent.is_dir():
+        print(f"fuelspmd schedule: cannot write --png {args.png}: the folder "
+              f"{args.png.parent} does not exist", file=sys.stderr)
+        return 2
     chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
     try:
         sched = schedule(args.kind, args.stages, args.microbatches, chunks)
@@ -93,7 +105,18 @@ def main(argv: list[str]) -> int:
         + ("  (chunk activations, each 1/c of a rank's)" if c > 1 else "")
     )
     if args.png is not None:
-        args.png.write_bytes(png(timeline))
+        narrow = narrowest_action_px(timeline, args.png_width)
+        if narrow < READABLE_PX:
+            print(f"fuelspmd schedule: warning: in a {args.png_width} px picture the shortest "
+                  f"action is {narrow:.1f} px wide, so actions merge and carry no labels; "
+                  f"give --png-width {width_for(timeline)} (or more), or fewer stages or "
+                  "micro-batches", file=sys.stderr)
+        try:
+            args.png.write_bytes(png(timeline, width=args.png_width))
+        except OSError as err:
+            print(f"fuelspmd schedule: cannot write --png {args.png}: {err.strerror}",
+                  file=sys.stderr)
+            return 2
         print(f"wrote {args.png}")
     return 0
 

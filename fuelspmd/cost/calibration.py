@@ -8,13 +8,16 @@ cost model of a CPU job predicts this machine, not a default one. The file is::
      "reduce_bandwidth": B/s, "oversubscribed_latency": s},
      "regimes": [{"upto": B or null, "latency": s, "bandwidth": B/s,
                   "reduce_bandwidth": B/s, "oversubscribed_latency": s}, ...],
-     "fit": {...}}
+     "bounds": {"min_latency": s, "max_bandwidth": B/s},
+     "fit": {"median_abs_error": ..., "max_abs_error": ..., "r2_log_time": ..., ...}}
 
 ``shm`` is the one-link view :func:`fuelspmd.topology.detect` reads (small-message latency,
 large-message rates); ``oversubscribed_latency`` (optional) is the per-message latency when
 more ranks than cores are busy (see :class:`fuelspmd.topology.Node`). ``regimes`` (optional,
 version 2) are the per-size-band numbers :mod:`fuelspmd.cost.regimes` describes; give them
-to the model with :func:`calibrated_model`.
+to the model with :func:`calibrated_model`. ``bounds`` (optional) are the physical limits
+the fit was held to (a latency floor, one core's copy rate as the bandwidth ceiling); a
+file whose numbers break them was not written by the fit, and is refused.
 
 Its place: the ``path`` argument (``fs.init(calibration=...)`` passes it on), else
 ``$XDG_CACHE_HOME/fuelspmd/calibration.json`` (``~/.cache`` when XDG_CACHE_HOME is unset).
@@ -62,9 +65,20 @@ def _check(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     if crowded is not None and not (isinstance(crowded, (int, float)) and crowded >= 0):
         raise ConfigError(f"{where}: shm.oversubscribed_latency = {crowded!r} must be >= 0 s")
     try:
-        regimes_from_dict(data.get("regimes"))
+        regimes = regimes_from_dict(data.get("regimes"))
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: unreadable regimes ({e}); rerun the calibration") from None
+    bounds = data.get("bounds")
+    if isinstance(bounds, Mapping):
+        floor, ceiling = bounds.get("min_latency", 0.0), bounds.get("max_bandwidth", math.inf)
+        for r in regimes:
+            if (r.latency < floor * (1 - 1e-9) or max(r.bandwidth, r.reduce_bandwidth)
+                    > ceiling * (1 + 1e-9)):
+                raise ConfigError(
+                    f"{where}: a regime (latency {r.latency:.3g} s, bandwidth "
+                    f"{r.bandwidth:.3g} B/s, reduce {r.reduce_bandwidth:.3g} B/s) breaks the "
+                    f"file's own bounds (latency >= {floor:.3g} s, bandwidths <= "
+                    f"{ceiling:.3g} B/s); rerun the calibration")
     return dict(data)
 
 

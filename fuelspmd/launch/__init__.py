@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
+from fuelspmd.launch.output import Ranks, rank_logger, rank_print
 from fuelspmd.launch.places import (
     LaunchInfo,
     check_world,
@@ -91,6 +93,7 @@ class World:
     timeout: float
     trace_dir: str | None = None  # where the flight recorder is dumped on a failure
     check: str = "default"  # the guard's mode (init(check=...))
+    tracebacks: str = "first"  # which failing ranks print their traceback (init(tracebacks=...))
     calibration: str | None = None  # the cost model's calibration file (init(calibration=...))
     threads: int | None = None  # BLAS/OpenMP threads this rank was limited to; None: untouched
     _hooks: tuple[Any, ...] | None = field(default=None, repr=False)
@@ -103,6 +106,18 @@ class World:
         if self._comm is None:
             self._comm = Communicator(self.transport, device=self.device, timeout=self.timeout)
         return self._comm
+
+    def print(self, *values: object, ranks: Ranks = 0, prefix: bool | None = None,
+              sep: str = " ", end: str = "\n", file: Any = None) -> None:
+        """Print on rank 0 (or the ranks in ``ranks``, or "all"), one write of whole lines,
+        ``[rank R]``-prefixed where several ranks print (:mod:`fuelspmd.launch.output`)."""
+        rank_print(self, *values, ranks=ranks, prefix=prefix, sep=sep, end=end, file=file)
+
+    def logger(self, name: str = "fuelspmd", *, ranks: Ranks = 0,
+               level: int = logging.INFO) -> logging.Logger:
+        """A :mod:`logging` logger that writes on rank 0 (or ``ranks``), rank-prefixed
+        where several ranks write (:func:`fuelspmd.launch.output.rank_logger`)."""
+        return rank_logger(self, name, ranks=ranks, level=level)
 
     @property
     def num_nodes(self) -> int:
@@ -140,7 +155,7 @@ ALL_REDUCE = ("auto", "mpi", "shm", "hierarchical")
 def init(*, transport: str = "auto", device: str | Device = "auto", timeout: float = 600.0,
          check: str = "default", all_reduce: str = "auto",
          calibration: str | os.PathLike[str] | None = None,
-         trace_dir: str | os.PathLike[str] | None = None) -> World:
+         trace_dir: str | os.PathLike[str] | None = None, tracebacks: str = "first") -> World:
     """Start (or return) this process's World.
 
     ``transport``: "auto" (under a launcher NCCL when the rank's device is a CUDA GPU and
@@ -153,7 +168,9 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
     how the MPI transport reduces, "auto" (the calibrated cost model chooses per size),
     "mpi" (MPI's own), "shm" (shared memory where the ranks share it) or "hierarchical".
     ``calibration``: the cost model's calibration file (default: where ``fuelspmd bench
-    calibrate`` writes it). ``trace_dir``: a directory (created
+    calibrate`` writes it). ``tracebacks``: when several ranks fail, "first" (the first
+    failing rank of a node prints its traceback, the others one line each) or "all".
+    ``trace_dir``: a directory (created
     when first written) for the flight-recorder dumps, one ``rank<R>.json`` per rank, written
     on a collective timeout or mismatch and by the crash handler before it aborts; read
     them with ``fuelspmd trace DIR``. None (the default) writes nothing.
@@ -166,6 +183,8 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
                           "of seconds, e.g. 600")
     if check not in MODES:
         raise ConfigError(f"init(check={check!r}): use one of {list(MODES)}")
+    if tracebacks not in ("first", "all"):
+        raise ConfigError(f"init(tracebacks={tracebacks!r}): use 'first' or 'all'")
     if all_reduce not in ALL_REDUCE:
         raise ConfigError(f"init(all_reduce={all_reduce!r}): use one of {list(ALL_REDUCE)}")
     info = detect_launcher()
@@ -175,7 +194,8 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
     world = World(rank=seam.rank, size=seam.size, local_rank=0, local_size=1, node="",
                   nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
                   timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir),
-                  check=check, calibration=None if calibration is None else os.fspath(calibration))
+                  check=check, tracebacks=tracebacks,
+                  calibration=None if calibration is None else os.fspath(calibration))
     if seam.size > 1:
         # from here on an exception on one rank ends the job, so a check below that fails
         # on some ranks only cannot leave the others blocked

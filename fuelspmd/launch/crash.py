@@ -1,29 +1,41 @@
 """Failure handling for a started World: one failing rank ends the whole job, quickly.
 
 The crash handler prints the cause once (each line prefixed ``[rank R]``), dumps the flight
-recorder when a ``trace_dir`` is set, and aborts the transport; a non-zero ``sys.exit``
-takes the same road. A rank killed by a signal is the launcher's to notice; where the
-launcher does not (a plain ``srun``), :class:`PeerWatch` on the same node does.
+recorder when a ``trace_dir`` is set, removes the job's MPI shared-memory files, and aborts
+the transport; a non-zero ``sys.exit`` takes the same road. A rank killed by a signal is
+the launcher's to notice; where the launcher does not (a plain ``srun``),
+:class:`PeerWatch` on the same node does.
+
+Once, not once per rank: a ConfigError that every rank raises (invariant 4: bad input fails
+the same way everywhere) would otherwise print the same traceback N times. The first rank
+of a node to fail prints its traceback; the others print one line each and leave the
+abort to it (``fs.init(tracebacks="all")`` makes every rank print its whole traceback). Ctrl-C
+(SIGINT) ends the job with status 130 and SIGTERM with 143, the statuses a shell gives a
+program those signals end, with one line and no traceback.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import faulthandler
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
 from fuelspmd.transport import Transport
 
-__all__ = ["PeerWatch", "install_crash_handler", "remove_crash_handler"]
+__all__ = ["INTERRUPTED", "TERMINATED", "PeerWatch", "install_crash_handler",
+           "remove_crash_handler", "remove_shared_memory"]
 
 
 class World(Protocol):
@@ -40,6 +52,14 @@ class World(Protocol):
 
 
 _REPORT_PAUSE_S = 0.1  # a failing rank's pause between its report and the abort
+# a rank that failed after another of its node has this long for that rank's abort to end
+# it before it aborts itself (the first one may be stuck writing its flight recorder)
+_FOLLOWER_WAIT_S = 2.0
+INTERRUPTED = 130  # 128 + SIGINT
+TERMINATED = 143  # 128 + SIGTERM
+# MPI's shared-memory files in /dev/shm, unlinked by MPI_Finalize, which an aborted job never
+# reaches: MPICH's per-node segments and Open MPI's per-process ones
+_SEGMENT_PREFIXES = ("mpich_shm_", "mpich_vci_", "sm_segment.")
 _WATCH_EVERY_S = 0.5  # how often a rank looks at its same-node peers' processes
 # a peer found dead is left this long to the launcher (which reports and kills the job in
 # 0.1-0.4 s where it does: measured in docs/reliability.md) before the watch aborts
@@ -47,11 +67,12 @@ _LAUNCHER_GRACE_S = 3.0
 
 
 def install_crash_handler(world: World) -> tuple[Any, ...]:
-    """Make an unhandled exception, or a non-zero ``sys.exit``, on any rank end the whole job.
+    """Make an unhandled exception, a non-zero ``sys.exit``, Ctrl-C or SIGTERM on any rank
+    end the whole job.
 
-    The cause is printed once, by the failing rank, each line prefixed with its rank; then
-    the transport aborts every rank (MPI_Abort), so nobody is left waiting in a
-    collective. Returns what :func:`remove_crash_handler` restores.
+    The cause is printed once (see the module docstring), by the failing rank, each line
+    prefixed with its rank; then the transport aborts every rank (MPI_Abort), so nobody is
+    left waiting in a collective. Returns what :func:`remove_crash_handler` restores.
 
     ``sys.exit(n)`` raises SystemExit, which never reaches ``sys.excepthook``: the
     interpreter exits, and mpi4py's exit hook calls ``MPI_Finalize``, which waits for ranks
@@ -61,27 +82,45 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     turns the exception into the process's exit status, with no Python frame left on the
     stack; a non-zero status is then an abort. A SystemExit that the program catches
     (argparse's in a test, say) is read, if at all, from Python code, and changes nothing.
+    SIGTERM raises the same exception with status 143 (unless the program set a handler of
+    its own), so the program's ``finally`` blocks run before the job ends.
     ``os.abort()``, a segmentation fault or SIGKILL end the process without running any
     Python: the launcher notices the death and kills the other ranks (measured for
     MPICH's Hydra, Open MPI's mpirun and ``srun --kill-on-bad-exit=1`` in
     docs/reliability.md); faulthandler prints the dying rank's Python stack for the
     signals it can catch.
     """
-    previous = (sys.excepthook, threading.excepthook, sys.exit, faulthandler.is_enabled())
+    on_term = signal.getsignal(signal.SIGTERM)
+    take_term = (on_term is signal.SIG_DFL
+                 and threading.current_thread() is threading.main_thread())
+    previous = (sys.excepthook, threading.excepthook, sys.exit, faulthandler.is_enabled(),
+                on_term if take_term else None)
+    first = _FirstFailure(world.rank, every=world.tracebacks == "all")
+    prefix = f"[rank {world.rank}] "
 
     def report_and_abort(kind: type[BaseException], value: BaseException,
                          tb: TracebackType | None, where: str = "") -> None:
-        text = "".join(traceback.format_exception(kind, value, tb))
-        prefix = f"[rank {world.rank}] "
-        lines = [f"{prefix}unhandled {kind.__name__}{where}; aborting all {world.size} ranks"]
-        lines += [prefix + line for line in text.rstrip("\n").split("\n")]
-        sys.stderr.write("\n".join(lines) + "\n")
-        _flush_then_abort(world, 1, f"crash handler: unhandled {kind.__name__}{where}: {value}")
+        code = INTERRUPTED if issubclass(kind, KeyboardInterrupt) else 1
+        full = first.claim()
+        if code == INTERRUPTED:
+            lines = [f"{prefix}interrupted (SIGINT){where}; ending all {world.size} ranks, "
+                     f"exit status {code}"] if full else []
+            if first.verbose:
+                lines += _traceback_lines(prefix, kind, value, tb)
+        elif full:
+            lines = [f"{prefix}unhandled {kind.__name__}{where}; aborting all {world.size} "
+                     "ranks", *_traceback_lines(prefix, kind, value, tb)]
+        else:
+            lines = [f"{prefix}unhandled {kind.__name__}{where}: {_one_line(value)} (the "
+                     f"traceback is printed once, by the first rank of this node to fail; "
+                     f"init(tracebacks='all') prints every rank's)"]
+        if lines:
+            sys.stderr.write("\n".join(lines) + "\n")
+        _flush_then_abort(world, code, f"crash handler: unhandled {kind.__name__}{where}: "
+                          f"{value}", follower=not full)
 
     def excepthook(kind: type[BaseException], value: BaseException,
                    tb: TracebackType | None) -> None:
-        if issubclass(kind, KeyboardInterrupt):
-            previous[0](kind, value, tb)
         report_and_abort(kind, value, tb)
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
@@ -92,51 +131,145 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
                          args.exc_traceback, where=f" in thread {name}")
 
     def leaving(status: int, code: object, caller: str) -> None:
-        prefix = f"[rank {world.rank}] "
-        shown = "" if isinstance(code, int) else f" ({code})"
-        sys.stderr.write(f"{prefix}sys.exit({code!r}) at {caller}: exit status "
-                         f"{status}{shown}; aborting all {world.size} ranks\n")
-        _flush_then_abort(world, status, f"crash handler: sys.exit({code!r}) at {caller}")
+        full = first.claim()
+        if caller == "SIGTERM":
+            if full:
+                sys.stderr.write(f"{prefix}terminated (SIGTERM); ending all {world.size} "
+                                 f"ranks, exit status {status}\n")
+        else:
+            shown = "" if isinstance(code, int) else f" ({code})"
+            sys.stderr.write(f"{prefix}sys.exit({code!r}) at {caller}: exit status "
+                             f"{status}{shown}; aborting all {world.size} ranks\n")
+        _flush_then_abort(world, status, f"crash handler: sys.exit({code!r}) at {caller}",
+                          follower=not full)
 
     def exit_hook(code: object = None) -> NoReturn:
         frame = sys._getframe(1)
         caller = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         raise _RankExit(code, caller=caller, on_exit=leaving)
 
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise _RankExit(TERMINATED, caller="SIGTERM", on_exit=leaving)
+
     sys.excepthook = excepthook
     threading.excepthook = thread_hook
     sys.exit = exit_hook
+    if take_term:
+        signal.signal(signal.SIGTERM, on_sigterm)
     if not previous[3]:
         faulthandler.enable(all_threads=True)
     return previous
 
 
-def _flush_then_abort(world: World, code: int, reason: str = "") -> NoReturn:
+def _traceback_lines(prefix: str, kind: type[BaseException], value: BaseException,
+                     tb: TracebackType | None) -> list[str]:
+    text = "".join(traceback.format_exception(kind, value, tb))
+    return [prefix + line for line in text.rstrip("\n").split("\n")]
+
+
+def _one_line(value: BaseException) -> str:
+    """The exception's message, cut to its first line (the traceback has the rest)."""
+    lines = str(value).strip().splitlines()
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else "(no message)"
+
+
+class _FirstFailure:
+    """Whether this rank is the first of its node's ranks in this job to fail.
+
+    The first binds an abstract unix socket named after the job (Linux; the name vanishes
+    with the process, so nothing is left behind); the others find the name taken. The
+    job is named by this process's parent, the launcher's process on this node that
+    started every rank here (Hydra's proxy, Open MPI's prted, slurmstepd), and its start
+    time. Where the socket cannot tell (another system, a program started through a
+    shell of its own), every rank counts as first: the cause is then printed too often,
+    never lost.
+    """
+
+    def __init__(self, rank: int, *, every: bool = False) -> None:
+        self.rank = rank
+        self.verbose = every
+        parent = os.getppid()
+        self._name = f"\0fuelspmd-failure-{parent}-{_process_start(parent)}"
+        self._socket: socket.socket | None = None
+        self._first: bool | None = None
+
+    def claim(self) -> bool:
+        """True when this rank prints in full: the first to fail here, or verbose."""
+        if self._first is None:
+            self._first = True
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                try:
+                    sock.bind(self._name)
+                    self._socket = sock  # held until the process ends
+                except OSError as e:
+                    sock.close()
+                    self._first = e.errno != errno.EADDRINUSE
+            except (OSError, AttributeError):  # no AF_UNIX here
+                pass
+        return self._first or self.verbose
+
+
+def remove_shared_memory() -> list[str]:
+    """Unlink the MPI shared-memory files in /dev/shm that this process maps; return them.
+
+    MPI_Finalize unlinks them; an aborted job never gets there, and each left file holds
+    its pages (megabytes) until the machine restarts. Only files this process has mapped
+    are touched, so they are this job's; the ranks still running keep their mappings (an
+    unlinked file lives on until the last one unmaps), and the job is ending anyway.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return []
+    removed = []
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if not path.startswith("/dev/shm/") or path.endswith("(deleted)"):
+            continue
+        if os.path.basename(path).startswith(_SEGMENT_PREFIXES) and path not in removed:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:  # another rank of the node was first
+                pass
+    return removed
+
+
+def _flush_then_abort(world: World, code: int, reason: str = "", *,
+                      follower: bool = False) -> NoReturn:
     """Dump the flight recorder, flush the report, let the launcher forward it, then abort.
 
     The dump comes first: the abort ends every rank, this one included, and a failed dump
-    (a full disk) is reported but must not keep the job from ending.
+    (a full disk) is reported but must not keep the job from ending. Then the job's
+    shared-memory files go (:func:`remove_shared_memory`).
 
     Open MPI's mpirun drops what a rank wrote just before MPI_Abort when the abort wins
     the race with its output forwarding (seen once in 12 cells under load: the report was
-    lost), so the rank pauses ``_REPORT_PAUSE_S`` first; it is ending anyway.
+    lost), so the rank pauses ``_REPORT_PAUSE_S`` first; it is ending anyway. A
+    ``follower`` (a rank that failed after another of its node, which aborts the job)
+    waits ``_FOLLOWER_WAIT_S`` for that abort, so the launcher reports one abort, not N.
     """
     try:
         world.dump_trace(reason=reason or f"abort({code})")
     except (OSError, RuntimeError) as e:  # RuntimeError: the ring moved under a thread's dump
         sys.stderr.write(f"[rank {world.rank}] flight recorder dump to {world.trace_dir} "
                          f"failed: {e}\n")
+    remove_shared_memory()
     sys.stdout.flush()
     sys.stderr.flush()
-    time.sleep(_REPORT_PAUSE_S)
+    time.sleep(_FOLLOWER_WAIT_S if follower else _REPORT_PAUSE_S)
     world.transport.abort(code)
 
 
 def remove_crash_handler(previous: tuple[Any, ...]) -> None:
     """Put back what :func:`install_crash_handler` replaced."""
-    sys.excepthook, threading.excepthook, sys.exit, had_faulthandler = previous
+    sys.excepthook, threading.excepthook, sys.exit, had_faulthandler, on_term = previous
     if not had_faulthandler:
         faulthandler.disable()
+    if on_term is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
 
 
 class _RankExit(SystemExit):

@@ -115,13 +115,30 @@ def _text(
                     img[y0 : y0 + scale, x0 : x0 + scale] = rgb
 
 
+PNG_MARGIN = 42  # pixels of a png row left of the time axis (the rank label) and right of it
+READABLE_PX = 4  # an action narrower than this merges with its neighbours in the picture
+
+
+def narrowest_action_px(timeline: Timeline, width: int = 1200) -> float:
+    """The width in pixels of the shortest action in a :func:`png` of ``width`` pixels."""
+    span = timeline.makespan or 1.0
+    shortest = min((timeline.end[a] - t0 for a, t0 in timeline.start.items()), default=span)
+    return shortest * (width - PNG_MARGIN) / span
+
+
+def width_for(timeline: Timeline, px: float = READABLE_PX) -> int:
+    """The :func:`png` width at which the shortest action is ``px`` pixels wide."""
+    one = narrowest_action_px(timeline, PNG_MARGIN + 1)  # pixels per pixel of axis
+    return PNG_MARGIN + int(px / one + 0.999) if one > 0 else PNG_MARGIN + 1
+
+
 def png(timeline: Timeline, *, width: int = 1200, row: int = 28) -> bytes:
     """A timeline picture: one row per rank, a rectangle per action coloured by kind
     (F blue, B green, I teal, W amber), lighter for later micro-batches, labelled with the
     kind and micro-batch (``F3``, or just ``3``) where it fits; later chunks carry a dark
     band along the bottom. A legend row of the kinds present sits underneath."""
     s = timeline.schedule
-    margin, gap, scale = 34, 6, 2
+    margin, gap, scale = PNG_MARGIN - 8, 6, 2
     span = timeline.makespan or 1.0
     px = (width - margin - 8) / span
     legend_y = gap + s.stages * (row + gap)
@@ -144,7 +161,8 @@ def png(timeline: Timeline, *, width: int = 1200, row: int = 28) -> bytes:
         base = np.array(_RGB[a.kind], dtype=np.float64)
         rgb = tuple(int(v) for v in base + (255 - base) * shade)
         img[y : y + row, x0:x1] = rgb
-        img[y : y + row, x0] = (255, 255, 255)  # a thin seam between neighbours
+        if x1 - x0 >= READABLE_PX:  # a thin seam between neighbours, where it leaves colour
+            img[y : y + row, x0] = (255, 255, 255)
         if a.chunk:  # later chunks get a dark band at the bottom
             img[y + row - 3 * a.chunk : y + row, x0 + 1 : x1] = (60, 60, 60)
         for label in (f"{a.kind}{a.microbatch}", str(a.microbatch)):

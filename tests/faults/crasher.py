@@ -20,6 +20,8 @@ MOMENT is when, counted in the world's all-reduces the other ranks keep issuing:
 - ``between``: after all-reduce #2 completed on every rank and before #3, which the
   others then wait in.
 
+After ``fs.init()`` every rank writes ``SEGMENT PATH`` for each MPI shared-memory file in
+/dev/shm it maps, so a test can check that exactly this job's files are gone afterwards.
 Just before it fails, the rank writes ``FAULT rank R kind K moment M at T`` (T from
 ``time.time()``) to stderr, so a test can measure how long the job takes to end after the
 failure. Every rank that sees its program finish (it should not: the job must end first)
@@ -96,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     world = fs.init(timeout=args.timeout)
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if "/dev/shm/" in line
+                  and not line.rstrip().endswith("(deleted)")}
+    sys.stderr.write("".join(f"SEGMENT {path}\n" for path in sorted(mapped)))
+    sys.stderr.flush()
     me = world.rank == args.rank
     if me and args.moment == "before":
         fail(args.kind, world.rank, "before")

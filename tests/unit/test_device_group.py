@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fuelspmd as fs
+from fuelspmd.backend import DEVICES_FORMS, device_limit, parse_devices
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import (
     CollectiveMismatchError,
@@ -318,3 +319,49 @@ def test_parse_reads_a_count_or_a_list() -> None:
     assert [str(d) for d in fs.DeviceGroup.parse("cpu:3").devices] == ["cpu:0", "cpu:1", "cpu:2"]
     assert [str(d) for d in fs.DeviceGroup.parse("cpu:0, strict:0").devices] == [
         "cpu:0", "strict:0"]
+    # the comma tells the forms apart: a count of one is device 0, a list of one its index
+    assert [str(d) for d in parse_devices("cpu:1")] == ["cpu:0"]
+    assert [str(d) for d in parse_devices("cpu:1,")] == ["cpu:1"]
+    assert [str(d) for d in parse_devices(" cpu:2 , cpu:0 ")] == ["cpu:2", "cpu:0"]
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("cpu:0", "asks for 0 devices; give at least 1 ('cpu:1'), or name the device cpu:0 "
+              "alone as the list 'cpu:0,'"),
+    ("cpu:-1", "a count is a whole number after 'cpu:'"),
+    ("cpu", "a count is a whole number after 'cpu:'"),
+    ("gpu:2", "unknown device kind 'gpu'"),
+    ("cpu:0,,cpu:1", "an empty entry"),
+    ("cpu:0,cpu:0", "names a device twice"),
+    ("cpu:0,cpu", "entry 'cpu' is not KIND:INDEX"),
+    ("cpu:0,cpu:-1", "entry 'cpu:-1' is not KIND:INDEX"),
+])
+def test_parse_errors_name_the_problem_and_show_both_forms(spec: str, says: str) -> None:
+    with pytest.raises(DeviceError) as info:
+        fs.DeviceGroup.parse(spec)
+    assert says in str(info.value)
+    assert DEVICES_FORMS in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_parse_checks_counts_and_indices_against_what_exists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    limit = device_limit("cpu")
+    assert limit >= 4  # 4 per core: a 2-device group fits on any machine
+    assert len(parse_devices(f"cpu:{limit}")) == limit
+    with pytest.raises(DeviceError, match=rf"asks for {limit + 1} cpu devices, but at most "
+                                          rf"{limit} cpu devices here"):
+        parse_devices(f"cpu:{limit + 1}")
+    with pytest.raises(DeviceError, match=rf"asks for cpu:{limit}, but at most {limit}"):
+        parse_devices(f"cpu:0,cpu:{limit}")
+    monkeypatch.setattr("fuelspmd.backend.cuda_device_count", lambda: 2)
+    assert [str(d) for d in parse_devices("cuda:1,")] == ["cuda:1"]
+    assert [str(d) for d in parse_devices("cuda:2")] == ["cuda:0", "cuda:1"]
+    with pytest.raises(DeviceError, match=r"asks for 3 cuda devices, but cupy sees 2 GPU\(s\), "
+                                          r"cuda:0 \.\. cuda:1"):
+        parse_devices("cuda:3")
+    with pytest.raises(DeviceError, match=r"asks for cuda:2, but cupy sees 2"):
+        parse_devices("cuda:0,cuda:2")
+    monkeypatch.setattr("fuelspmd.backend.cuda_device_count", lambda: 0)
+    with pytest.raises(DeviceError, match=r"cupy sees no GPU .*pip install -e '\.\[gpu\]'"):
+        parse_devices("cuda:1")

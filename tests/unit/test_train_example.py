@@ -61,6 +61,9 @@ def run(args: list[str], *, n: int | None = None, deadline: float = 90.0) -> dic
     out = job.out
     found = SUMMARY.search(out)
     assert job.code == 0 and found, f"{cmd} -> {job.code}\n{out}\n{job.err}"
+    # into a pipe the progress is plain lines: no terminal redraws, no colour codes
+    assert "\r" not in out and "\x1b" not in out, repr(out)
+    assert re.search(r"^step 1/\d+ loss [0-9.]+ ", out, re.M), out
     first, last, steps = float(found[1]), float(found[2]), int(found[3])
     return {"out": out, "first": first, "last": last, "steps": steps,
             "bubble": float(found[5]), "seconds": time.monotonic() - start}
@@ -126,6 +129,17 @@ def test_plain_script_trains_and_checks() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_the_loss_goes_below_the_old_claim_and_never_below_the_floor() -> None:
+    """The docstring's floor, log(K) / T, holds, and the floor it used to give,
+    (log V + log K) / T, was no floor: 20 steps of the defaults go below it."""
+    got = run(["--steps", "20"])
+    cfg = T.Config()
+    floor = math.log(T.STRIDES) / cfg.seq
+    assert T.loss_floor(cfg) == floor
+    assert f"the task's loss floor is {floor:.3f}" in got["out"]
+    assert floor < got["last"] < (math.log(cfg.vocab) + math.log(T.STRIDES)) / cfg.seq
+
+
 def test_device_group_of_four_interleaved() -> None:
     got = run(["--devices", "cpu:4", "--steps", "2", "--check", "--schedule", "interleaved"])
     assert "mesh dp=1 pp=2 tp=2 (4 ranks" in got["out"]

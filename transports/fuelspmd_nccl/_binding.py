@@ -22,7 +22,8 @@ from fuelspmd.errors import TransportUnavailableError
 
 __all__ = ["INSTALL_HINT", "decode_version", "load_nccl", "nccl_version", "unique_id_format"]
 
-INSTALL_HINT = "pip install 'fuelspmd[gpu]' (cupy-cuda12x and nvidia-nccl-cu12)"
+INSTALL_HINT = ("pip install -e '.[gpu]' (CUDA 12) or -e '.[gpu13]' (CUDA 13) from a fuelspmd "
+                "checkout: cupy and the NCCL wheels")
 
 
 def load_nccl() -> Any:

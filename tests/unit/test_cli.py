@@ -1,0 +1,140 @@
+"""The ``fuelspmd`` command as a user meets it: statuses, and no traceback for a user's
+mistake, a closed pipe or a folder that does not exist.
+
+Every command runs as a real subprocess (``python -m fuelspmd``) with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs import clean_env, run_job
+
+import fuelspmd
+from fuelspmd.pipeline_parallel import schedule, simulate
+from fuelspmd.pipeline_parallel.render import (
+    READABLE_PX,
+    narrowest_action_px,
+    png,
+    width_for,
+)
+
+FUELSPMD = [sys.executable, "-m", "fuelspmd"]
+PLAN = [*FUELSPMD, "plan", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq",
+        "2048", "--vocab", "51200", "--batch", "512", "--topology", "dgx-h100"]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_version() -> None:
+    job = run_job([*FUELSPMD, "--version"], deadline=60)
+    assert (job.code, job.out) == (0, f"fuelspmd {fuelspmd.__version__}\n"), job.err
+
+
+@pytest.mark.parametrize("command", [["info"], ["plan"], ["schedule"], ["trace"],
+                                     ["bench", "calibrate"], ["bench", "guard"],
+                                     ["bench", "collectives"], ["bench", "pipeline"]])
+def test_help_is_plain_text(command: list[str]) -> None:
+    job = run_job([*FUELSPMD, *command, "--help"], deadline=60)
+    assert job.code == 0, job.err
+    assert "usage: fuelspmd" in job.out
+    for markup in ("``", ":func:", ":mod:", ":class:", ":meth:"):
+        assert markup not in job.out, f"{command}: {markup} in\n{job.out}"
+
+
+def _argv(command: list[str]) -> list[str]:
+    return PLAN + command[1:] if command[0] == "plan" else [*FUELSPMD, *command]
+
+
+@pytest.mark.parametrize("command", [["schedule"], ["plan", "--gpus", "8"],
+                                     ["plan", "--gpus", "8", "--json"]])
+def test_a_closed_pipe_ends_quietly_with_141(command: list[str]) -> None:
+    """Output into a pipe whose reader is gone: exit 141 (SIGPIPE's), not a traceback."""
+    read, write = os.pipe()
+    os.close(read)  # every write now fails with EPIPE
+    try:
+        done = subprocess.run(_argv(command), stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60, env=clean_env())
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+@pytest.mark.parametrize(("command", "statuses"), [
+    (["schedule", "--stages", "16", "--microbatches", "256"], {141}),  # more than a pipe holds
+    (["plan", "--gpus", "8"], {0, 141}),  # small: written before head may have gone
+])
+def test_head_1_shows_the_first_line_and_nothing_else(command: list[str],
+                                                      statuses: set[int]) -> None:
+    """``fuelspmd ... | head -1``: the first line, no traceback, exit 141 when cut off."""
+    shell = " ".join(_argv(command)) + ' | head -1; echo "status ${PIPESTATUS[0]}" >&2'
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60,
+                          env=clean_env())
+    assert len(done.stdout.splitlines()) == 1, done.stdout
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and int(lines[0].split()[1]) in statuses, done.stderr
+
+
+def test_png_into_a_missing_folder_is_a_clean_error(tmp_path: Path) -> None:
+    target = tmp_path / "no-such-folder" / "x.png"
+    job = run_job([*FUELSPMD, "schedule", "--png", str(target)], deadline=60)
+    assert job.code == 2, job.out
+    assert job.err == (f"fuelspmd schedule: cannot write --png {target}: the folder "
+                       f"{target.parent} does not exist\n")
+
+
+def test_a_png_too_narrow_for_its_actions_warns_with_the_width_that_fits(
+        tmp_path: Path) -> None:
+    target = tmp_path / "big.png"
+    job = run_job([*FUELSPMD, "schedule", "--stages", "64", "--microbatches", "512",
+                   "--png", str(target)], deadline=60)
+    assert job.code == 0, job.err
+    assert "warning: in a 1200 px picture the shortest action is 1.0 px wide" in job.err
+    wide = int(job.err.split("--png-width ")[1].split()[0])
+    timeline = simulate(schedule("1f1b", 64, 512), 1.0, 1.0, 0.0)
+    assert wide == width_for(timeline) and narrowest_action_px(timeline, wide) >= READABLE_PX
+    small = run_job([*FUELSPMD, "schedule", "--png", str(target)], deadline=60)
+    assert small.code == 0 and "warning" not in small.err, small.err
+
+
+def test_narrow_actions_keep_their_colour() -> None:
+    """Below READABLE_PX the white seam between actions is left out: it would cover them."""
+    timeline = simulate(schedule("1f1b", 4, 256), 1.0, 1.0, 0.0)
+    assert narrowest_action_px(timeline) < READABLE_PX
+    from test_pipeline_cli import decode_png
+    img = decode_png(png(timeline))
+    row = img[6 + 14, 34:-8]  # the middle line of rank 0's row, along the time axis
+    white = (row == 255).all(axis=1).mean()
+    assert white < 0.05, f"{white:.0%} of rank 0's row is white"
+
+
+def test_plan_says_why_a_prime_gpu_count_has_no_layout() -> None:
+    job = run_job([*PLAN, "--gpus", "7"], deadline=60)
+    assert job.code == 2
+    assert ("no layout splits 7 GPUs for this model: 7 is prime, so one axis takes all 7 "
+            "GPUs") in job.err
+    assert "tp 7 x pp 1 x dp 1: tp 7 does not divide the 32 heads" in job.err
+    assert "tp 1 x pp 7 x dp 1: pp 7 does not divide the 32 layers" in job.err
+    assert "tp 1 x pp 1 x dp 7: dp 7 x micro-batch 1/2/4/8 divides no batch of 512" in job.err
+    assert job.err.rstrip().endswith("use a GPU count that has a layout, e.g. --gpus 4 or 8")
+    assert "add GPUs" not in job.err and "Traceback" not in job.err
+
+
+def test_plan_that_does_not_fit_in_memory_gives_the_numbers() -> None:
+    job = run_job([*PLAN, "--gpus", "8", "--memory-gib", "0.5"], deadline=60)
+    assert job.code == 2
+    assert "nothing fits: none of the" in job.err
+    assert "GiB per GPU, 0.45 GiB usable of 0.50)" in job.err
+
+
+@pytest.mark.parametrize("args", [["frobnicate"], ["bench", "no-such-bench"]])
+def test_unknown_commands_exit_2(args: list[str]) -> None:
+    job = run_job([*FUELSPMD, *args], deadline=60)
+    assert job.code == 2 and "unknown" in job.err and "Traceback" not in job.err

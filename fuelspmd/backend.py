@@ -262,6 +262,22 @@ class Backend:
             return self.lib.asnumpy(arr)
         return np.from_dlpack(arr)
 
+    def to_transport(self, arr: Any) -> Any:
+        """``arr`` as a transport takes it: numpy and cupy arrays as they are, an
+        array-api-strict array as host numpy over the same memory (staged through the
+        host: the one place that is written)."""
+        return np.from_dlpack(arr) if self.kind == "strict" else arr
+
+    def from_transport(self, arr: Any) -> Any:
+        """An array a transport filled (numpy, or cupy on a GPU) as this backend's array."""
+        return self.asarray(arr) if self.kind == "strict" else arr
+
+    def transport_empty(self, shape: Shape, dt: DType | str) -> Any:
+        """An uninitialised buffer of this device's that a transport may fill."""
+        if self.kind == "cuda":
+            return self.lib.empty(shape, dtype=self.dtype(dt))
+        return np.empty(shape, to_numpy(as_dtype(dt)))
+
     def from_host(self, arr: np.ndarray, dev: Device) -> Any:
         """Return the host array ``arr`` on ``dev`` of this library."""
         if self.kind == "cuda":

@@ -6,41 +6,38 @@ nodes only; the transport is called when the graph runs. The rules:
 - **Order (invariant 1).** Each collective node takes the communicator's previous
   still-unrealised collective as one more input (a *token*; its value is never read), so
   the topological order of any graph is the creation order and realising collective ``k``
-  realises ``k - 1`` first. The op's attributes hold the communicator (hashed by identity)
-  and static parameters only, never a sequence number, so the next training step's graph
-  has the same structure and the plan cache hits; the transport numbers operations when
+  realises ``k - 1`` first. The op's attributes (``comm.ops``) hold the communicator and
+  static parameters only, never a sequence number, so the next training step's graph has
+  the same structure and its plan is found again; the transport numbers operations when
   they are issued. The communicator keeps the tail of its chain, so :meth:`flush`,
   :meth:`barrier` and :meth:`split` can issue everything built so far.
-- **No clobbering.** A transport op that writes in place gets a contiguous copy of its
-  input, unless the planner proved the input dies at this step (``donate``), or, for one
-  collective realised on its own, the input is a leaf that nothing else can see (no
-  Tensor, array, view or pending node refers to it: ``x = comm.all_reduce(x)`` on
-  ``fs.tensor(temporary)``), checked by reference counts in the executor.
-- **Bucketing (opt-in).** With ``bucket_bytes > 0``, all_reduces of one communicator
-  with the same reduce op and dtype that the planner finds ready together in one realise
-  are fused into one transport call of at most ``bucket_bytes`` and split back out: the
-  same numbers, one latency instead of many. Which calls are fused depends on what is
-  realised together, so turn it on only where every rank realises these collectives at
-  the same points (a training step realised as one graph). If ranks differ, the guard
-  (or a DeviceGroup) raises CollectiveMismatchError on every rank; nothing hangs. A bucket
-  is one copy in (into the communicator's spare buffer, reused step after step once the
-  last step's results are dropped) and no copy out: the results are views of it.
-  Collectives whose inputs are all realised skip the planner (the executor's direct path)
-  and are bucketed by the same rule.
+- **No clobbering.** A transport op that writes in place works on a contiguous copy of
+  its input unless the graph owns that input and it dies there, or the caller donated it
+  (``x = comm.all_reduce(x.donate())`` copies nothing, as ``MPI_Allreduce(MPI_IN_PLACE)``).
+- **Bucketing (opt-in).** With ``bucket_bytes > 0``, all_reduces of one communicator with
+  the same reduce op and dtype that the planner finds ready together in one realise are
+  one transport call of at most ``bucket_bytes`` (the planner's one bucket rule,
+  ``graph.plan.joins_bucket``): the same numbers, one latency instead of many. Which calls
+  are fused depends on what is realised together, so turn it on only where every rank
+  realises these collectives at the same points (a training step realised as one graph).
+  If ranks differ, the guard (or a DeviceGroup) raises CollectiveMismatchError on every
+  rank; nothing hangs. A bucket is one copy in and no copy out: the results are views.
 - **Overlap.** The planner starts a collective right after its input is computed and
   waits for it right before its result is first read, so independent compute runs while
-  it is in flight (one operation in flight per communicator; see ``graph.plan``).
+  it is in flight: one collective per communicator at a time, any number of sends and
+  receives. :meth:`post` issues sends and receives now and finishes them when a later
+  realise first needs them (a pipeline posts the next step's receives early).
 - **Size 1 costs nothing.** Every collective of a size-1 communicator returns its input
   (send/recv to self pair up at build time); no node, no transport call.
 
-Host staging: a ``strict`` (array-api-strict) tensor goes to the transport as a numpy
-array and comes back as a strict array; numpy and cupy arrays go as they are. A transport
-that offers ``all_reduce_shared(buf, op) -> array`` (the in-process transport of a
-DeviceGroup) reduces once for every device and returns one read-only array shared by all.
+A transport that offers ``shared`` (the in-process transport of a DeviceGroup) reduces once
+for every device and returns one read-only array shared by all; one that offers ``lend``
+(the MPI transport's shared windows) gets all_reduce inputs placed in its areas.
 
-Send/recv tags are the count of earlier messages to (from) that peer on this communicator,
-taken at issue time: issue order is creation order on both sides, so the k-th send of
-rank a to b meets the k-th recv of b from a.
+Send/recv tags: without ``tag=``, the count of earlier messages to (from) that peer on this
+communicator, taken at issue time and kept within the transport's ``tag_bound``: issue order
+is creation order on both sides, so the k-th send of rank a to b meets the k-th recv of b
+from a. An explicit tag must lie in ``0..tag_bound``.
 """
 
 from __future__ import annotations
@@ -48,17 +45,18 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from fuelspmd.backend import Device, Spares
+from fuelspmd.backend import Device, Spares, get_backend
 from fuelspmd.backend import device as as_device
 from fuelspmd.dtypes import DType, Shape, normalize_axis
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, DeviceError, ShapeError
-from fuelspmd.graph.node import Node, canonical, const
+from fuelspmd.graph.node import Node, canonical, const, post
 from fuelspmd.graph.op import get_op
 from fuelspmd.tensor import Tensor, realize
 from fuelspmd.transport import ReduceOp, Transport, check_peer
 
 from . import ops as _ops  # registers the collective ops
+from .ops import AllGather, AllReduce, AllToAll, Barrier, Broadcast, Recv, ReduceScatter, Send
 
 __all__ = ["Communicator"]
 
@@ -90,13 +88,14 @@ class Communicator:
         self._self_sent: deque[Node] = deque()  # size 1: sends waiting for their recv
         self._sent: dict[int, int] = {}       # peer -> messages sent so far (issue time)
         self._received: dict[int, int] = {}   # peer -> messages received so far
+        self._posted: list[Node] = []  # issued by post(), not finished yet
         caps = transport.capabilities
         self._shared = transport.all_reduce_shared if "shared" in caps else None  # type: ignore[attr-defined]
         self._spare = Spares()  # staging copies, reused once unreferenced (ops.py)
         self._lend = transport.lend if "lend" in caps else None  # type: ignore[attr-defined]
         self._lent = transport.lent if "lend" in caps else None  # type: ignore[attr-defined]
-        self._reduce_attrs: dict[Any, tuple[Any, ...]] = {}  # op as given -> node attrs
-        self._sum_attrs = self._reduce_attrs[_SUM] = (self, 1, ReduceOp.SUM)
+        self._reduce_attrs: dict[Any, AllReduce] = {}  # op as given -> node attrs
+        self._sum_attrs = self._reduce_attrs[_SUM] = AllReduce(self, 1, ReduceOp.SUM)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, device='{self.device}', "
@@ -112,18 +111,12 @@ class Communicator:
                               f"device is {self.device}; move it with .to('{self.device}')")
         return node
 
-    def _node(self, name: str, inputs: tuple[Node, ...], params: tuple[Any, ...]) -> Node:
-        """Build collective ``name`` chained after the previous unrealised one.
-
-        The node is built directly, not through ``graph.node.make``: a collective is never
-        hash-consed (effectful), and every input is on this communicator's device (the data
-        input was checked by :meth:`_check`, the tail was built here), so only the shape
-        rule is left to run (all_reduce, the per-gradient op, inlines this).
-        """
+    def _node(self, name: str, inputs: tuple[Node, ...], attrs: Any) -> Node:
+        """Build collective ``name`` chained after the previous unrealised one (directly:
+        every input is on this communicator's device, so only the rule is left to run)."""
         tail = self._tail
         ins = inputs + ((tail,) if tail is not None and tail.buffer is None else ())
         op = get_op(name)
-        attrs = (self, len(inputs), *params)
         shape, dt, dev = op.rule(ins, attrs)
         node = Node(op, ins, attrs, tuple(shape), dt, dev)
         self._tail = node
@@ -137,6 +130,7 @@ class Communicator:
         self._sent.clear()
         self._received.clear()
         self._self_sent.clear()
+        self._posted.clear()
 
     def _issued(self, k: int = 1) -> None:
         """Count ``k`` collectives issued; once all built ones are, let go of the tail (it
@@ -148,21 +142,68 @@ class Communicator:
     def _token(self, dt: DType) -> Tensor:
         return Tensor(const(0, (), dt, self.device))
 
+    def _tag(self, counts: dict[int, int], peer: int, tag: int | None) -> int:
+        """The tag of the next message with ``peer`` (its count there, unless given)."""
+        n = counts.get(peer, 0)
+        counts[peer] = n + 1
+        return n % (self.transport.tag_bound + 1) if tag is None else tag
+
+    def _check_tag(self, op: str, tag: int | None) -> int | None:
+        bound = self.transport.tag_bound
+        if tag is not None and not (isinstance(tag, int) and 0 <= tag <= bound):
+            raise ConfigError(f"{op}: tag {tag!r} is outside 0..{bound}, the tags this "
+                              f"communicator's transport takes; use a smaller tag, or none "
+                              f"(the count of earlier messages with that peer)")
+        return tag
+
     def flush(self) -> None:
-        """Issue every collective built on this communicator that has not run yet."""
+        """Issue every collective built on this communicator that has not run yet, and
+        finish every posted one."""
         if self._tail is not None and self._tail.buffer is None:
             realize(Tensor(self._tail))  # the chain: every earlier unrealised one runs too
+        realize(*(Tensor(n) for n in self._posted))
+        self._posted.clear()
         self._tail = None
         self._done = self._built
+
+    def post(self, *tensors: Tensor) -> None:
+        """Issue these sends (their tokens) and receives now, without waiting for them.
+
+        Each finishes when a later realise first needs it (its value, or its token), or at
+        :meth:`flush`; :meth:`poll` lets MPI move them along meanwhile. The data a send
+        reads is realised first. Only this communicator's sends and receives can be
+        posted, and only after every earlier collective of it was issued (the token chain
+        is cut here)."""
+        be = get_backend(self.device.kind)
+        for t in tensors:
+            node = t.node
+            if node.buffer is not None or node.op.kind == "posted":
+                continue
+            if node.op.name not in ("comm.send", "comm.recv") or node.attrs.comm is not self:
+                raise ConfigError(f"post: {node.op.name} is not a send or recv of this "
+                                  f"communicator; post only its sends' tokens and receives")
+            data = node.inputs[:node.attrs.nin]
+            # the data, and earlier collectives not issued yet (a posted one is)
+            realize(*(Tensor(x) for x in node.inputs if x.op.kind != "posted"))
+            pending = node.op.start(be, node.attrs, *(x.buffer for x in data))
+            post(node, pending)
+            self._posted.append(node)
+            if self._tail is node:
+                self._tail = None
+
+    def poll(self) -> None:
+        """Let the transport progress every posted send and receive (never blocks)."""
+        for node in self._posted:
+            if node.op.kind == "posted":
+                node.attrs.test()
+        self._posted = [n for n in self._posted if n.op.kind == "posted"]
 
     # ---- collectives ------------------------------------------------------------------
     def all_reduce(self, t: Tensor, op: ReduceOp | str = _SUM) -> Tensor:
         """Return ``op`` over ranks of ``t`` (every rank gets the result)."""
-        # The per-gradient cost of a step (256 of them realised together are one bucket):
-        # the checks of _check and _node inlined for the common case, the node built
-        # directly (the rule is the identity: the input's shape, dtype and device), and
-        # one attrs tuple per reduce op, so the planner and the executor's bucket test
-        # compare attributes by identity; the default op finds its tuple by identity.
+        # The per-gradient cost of a step: _check and _node inlined for the common case
+        # (the rule is the identity), one attrs tuple per reduce op (found by identity for
+        # the default), so the planner's bucket rule compares attributes by identity.
         node = t.node if t.__class__ is Tensor else None
         if node is None or node.device is not self.device:
             node = self._check(t, "all_reduce")
@@ -172,7 +213,7 @@ class Communicator:
             key = op._value_ if cls is ReduceOp else op if cls is str else None  # type: ignore[union-attr]
             attrs = self._reduce_attrs.get(key) if key is not None else None
             if attrs is None:
-                attrs = (self, 1, ReduceOp.parse(op))
+                attrs = AllReduce(self, 1, ReduceOp.parse(op))
                 if key is not None:
                     self._reduce_attrs[key] = attrs
         if self.size == 1:
@@ -190,7 +231,7 @@ class Communicator:
         ax = normalize_axis(axis, len(t.shape), op="all_gather")
         if self.size == 1:
             return t
-        return Tensor(self._node("comm.all_gather", (node,), (ax,)))
+        return Tensor(self._node("comm.all_gather", (node,), AllGather(self, 1, ax)))
 
     def reduce_scatter(self, t: Tensor, axis: int = 0, op: ReduceOp | str = "sum") -> Tensor:
         """Reduce ``t`` over ranks and return block ``rank`` of it along ``axis``."""
@@ -199,7 +240,7 @@ class Communicator:
         _divisible("reduce_scatter", t.shape, ax, self.size)
         if self.size == 1:
             return t
-        return Tensor(self._node("comm.reduce_scatter", (node,), (ax, rop)))
+        return Tensor(self._node("comm.reduce_scatter", (node,), ReduceScatter(self, 1, ax, rop)))
 
     def broadcast(self, t: Tensor, root: int = 0) -> Tensor:
         """Return rank ``root``'s ``t`` on every rank."""
@@ -207,7 +248,7 @@ class Communicator:
         check_peer("broadcast", root, self.size, what="root")
         if self.size == 1:
             return t
-        return Tensor(self._node("comm.broadcast", (node,), (int(root),)))
+        return Tensor(self._node("comm.broadcast", (node,), Broadcast(self, 1, int(root))))
 
     def all_to_all(self, t: Tensor, split_axis: int, concat_axis: int) -> Tensor:
         """Split ``t`` in ``size`` blocks along ``split_axis``, send block r to rank r, and
@@ -218,9 +259,9 @@ class Communicator:
         _divisible("all_to_all", t.shape, sa, self.size)
         if self.size == 1:
             return t
-        return Tensor(self._node("comm.all_to_all", (node,), (sa, ca)))
+        return Tensor(self._node("comm.all_to_all", (node,), AllToAll(self, 1, sa, ca)))
 
-    def send(self, t: Tensor, dst: int) -> Tensor:
+    def send(self, t: Tensor, dst: int, *, tag: int | None = None) -> Tensor:
         """Send ``t`` to rank ``dst``; return a 0-d token (realising it issues the send).
 
         A send also runs when any later collective of this communicator runs, or on
@@ -229,14 +270,18 @@ class Communicator:
         """
         node = self._check(t, "send")
         check_peer("send", dst, self.size, what="dst")
+        tag = self._check_tag("send", tag)
         if self.size == 1:
             self._self_sent.append(node)
             return self._token(t.dtype)
-        return Tensor(self._node("comm.send", (node,), (int(dst),)))
+        return Tensor(self._node("comm.send", (node,), Send(self, 1, int(dst), tag)))
 
-    def recv(self, shape: Shape, dtype: DType | str, src: int) -> Tensor:
-        """Return the tensor of ``shape`` and ``dtype`` that rank ``src`` sends next."""
+    def recv(self, shape: Shape, dtype: DType | str, src: int, *,
+             tag: int | None = None) -> Tensor:
+        """Return the tensor of ``shape`` and ``dtype`` that rank ``src`` sends next (with
+        ``tag``, when given)."""
         check_peer("recv", src, self.size, what="src")
+        tag = self._check_tag("recv", tag)
         shp = tuple(int(d) for d in shape)
         dt = as_dtype(dtype)
         if self.size == 1:
@@ -248,15 +293,14 @@ class Communicator:
                 raise ShapeError(f"recv({shp}, {dt}) from self, but the matching send was "
                                  f"{node.shape} {node.dtype}; use the sent shape and dtype")
             return Tensor(node)
-        return Tensor(self._node("comm.recv", (), (shp, dt, int(src))))
+        return Tensor(self._node("comm.recv", (), Recv(self, 0, shp, dt, int(src), tag)))
 
     def barrier(self) -> None:
         """Issue every collective built so far, then wait until every rank gets here."""
         if self.size == 1:
             self.flush()
             return
-        tok = self._node("comm.barrier", (), ())
-        realize(Tensor(tok))
+        realize(Tensor(self._node("comm.barrier", (), Barrier(self, 0))))
 
     def split(self, color: int, key: int = 0) -> Communicator:
         """Return the communicator of the ranks with the same ``color``, ordered by ``key``.
@@ -267,11 +311,6 @@ class Communicator:
         self.flush()
         return Communicator(self.transport.split(int(color), int(key)), device=self.device,
                             timeout=self.timeout, bucket_bytes=self.bucket_bytes)
-
-    def _tag(self, counts: dict[int, int], peer: int) -> int:
-        n = counts.get(peer, 0)
-        counts[peer] = n + 1
-        return n % (self.transport.tag_bound + 1)
 
 
 def _divisible(op: str, shape: Shape, axis: int, n: int) -> None:

@@ -1,41 +1,97 @@
 """The collective ops of the graph: rule, start/finish kernels and vjp side by side.
 
-Every collective is an effectful :class:`~fuelspmd.graph.op.Op` whose attributes are
-``(communicator, number of data inputs, *static params)``; inputs past the data inputs are
-order tokens (never read). Its ``start`` issues the transport operation and returns a
-:class:`Pending`; ``Pending.finish()`` waits (with the communicator's deadline) and returns
-the value. The planner may put other steps between the two (a collective started as soon
-as its input is ready, waited where its result is first needed); ``kernel`` is both at once.
+Every collective is an effectful :class:`~fuelspmd.graph.op.Op` whose attributes are a
+named tuple starting ``(comm, nin, ...)``: the communicator (the op's stream), the number of
+data inputs, then its own parameters; inputs past the data inputs are order tokens (never
+read). Its ``start`` issues the transport operation and returns a :class:`Pending`;
+``Pending.finish()`` waits (with the communicator's deadline) and returns the value. The
+planner may put other steps between the two (a collective started as soon as its input is
+ready, waited where its result is first needed); ``kernel`` is both at once.
 
-Buffers: an in-place op (all_reduce, broadcast) gets a contiguous copy of its input unless
-the planner proved the input dies at this step, or the executor found it a leaf nothing else
-refers to (``donate``); ops that only read their input
-use it as it is when contiguous. ``strict`` (array-api-strict) arrays are staged through
-host numpy; cupy arrays go to the transport as they are.
+Buffers: an in-place op (all_reduce, broadcast) works on a contiguous copy of its input
+unless the planner lets it write the input (``donate``: a value the graph allocated, or a
+leaf the caller donated, that dies here); ops that only read their input use it as it is
+when contiguous. Arrays reach the transport through the backend's host staging
+(:meth:`~fuelspmd.backend.Backend.to_transport`: array-api-strict arrays as host numpy;
+numpy and cupy as they are).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from itertools import accumulate, groupby
-from typing import Any
+from itertools import groupby
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from fuelspmd.backend import Device, to_host
-from fuelspmd.dtypes import DType, Shape, to_numpy
+from fuelspmd.backend import Device
+from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph import build as B
 from fuelspmd.graph.node import Node
-from fuelspmd.graph.op import Attrs, Op, register
+from fuelspmd.graph.op import Op, register
 from fuelspmd.tensor import Tensor
 from fuelspmd.transport import DONE, ReduceOp
 
-__all__ = ["ALL_REDUCE", "Pending"]
+__all__ = ["ALL_REDUCE", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast",
+           "Pending", "Recv", "ReduceScatter", "Send"]
 
 Rule = tuple[Shape, DType, Device]
+
+
+class AllReduce(NamedTuple):
+    comm: Any
+    nin: int
+    op: ReduceOp
+
+
+class AllGather(NamedTuple):
+    comm: Any
+    nin: int
+    axis: int
+
+
+class ReduceScatter(NamedTuple):
+    comm: Any
+    nin: int
+    axis: int
+    op: ReduceOp
+
+
+class Broadcast(NamedTuple):
+    comm: Any
+    nin: int
+    root: int
+
+
+class AllToAll(NamedTuple):
+    comm: Any
+    nin: int
+    split_axis: int
+    concat_axis: int
+
+
+class Send(NamedTuple):
+    comm: Any
+    nin: int
+    dst: int
+    tag: int | None  # None: the count of earlier messages to dst (see Communicator)
+
+
+class Recv(NamedTuple):
+    comm: Any
+    nin: int
+    shape: Shape
+    dtype: DType
+    src: int
+    tag: int | None
+
+
+class Barrier(NamedTuple):
+    comm: Any
+    nin: int
 
 
 class Pending:
@@ -46,6 +102,10 @@ class Pending:
     def __init__(self, comm: Any, work: Any, make: Callable[[], Any], count: int = 1) -> None:
         self.comm, self.work, self.make, self.count = comm, work, make, count
 
+    def test(self) -> bool:
+        """Whether the transport operation completed (never blocks; progresses it)."""
+        return bool(self.work.test())
+
     def finish(self) -> Any:
         self.work.wait(self.comm.timeout)
         self.comm._issued(self.count)
@@ -53,18 +113,18 @@ class Pending:
 
 
 def _kernel(start: Callable[..., Pending]) -> Callable[..., Any]:
-    def kernel(be: Any, attrs: Attrs, *xs: Any, donate: bool = False) -> Any:
+    def kernel(be: Any, attrs: Any, *xs: Any, donate: bool = False) -> Any:
         return start(be, attrs, *xs, donate=donate).finish()
     kernel.__doc__ = f"{start.__name__} and finish at once."
     return kernel
 
 
 def _collective(name: str, rule: Callable[..., Rule], start: Callable[..., Pending],
-                vjp: Callable[..., Any] | None, *, inplace: bool = False,
+                vjp: Callable[..., Any] | None, *, inplace: bool = False, serial: bool = True,
                 bucket: Callable[..., Pending] | None = None) -> Op:
     return register(Op(name, rule, _kernel(start), vjp, inplace_ok=(0,) if inplace else None,
-                       effectful=True, start=start, bucket=bucket,
-                       bucket_bytes=(lambda attrs: attrs[0].bucket_bytes) if bucket else None))
+                       effectful=True, serial=serial, start=start, bucket=bucket,
+                       bucket_bytes=(lambda attrs: attrs.comm.bucket_bytes) if bucket else None))
 
 
 # ---- staging ------------------------------------------------------------------------------
@@ -73,44 +133,22 @@ def _lib(be: Any) -> Any:
 
 
 def _writable(be: Any, x: Any, donate: bool, comm: Any) -> Any:
-    """A contiguous buffer the transport may overwrite: ``x`` itself only when donated.
-
-    Otherwise a copy, into one of the communicator's spare buffers (one of that shape and
-    dtype that nothing refers to any more, :class:`~fuelspmd.backend.Spares`).
-    """
+    """A contiguous buffer the transport may overwrite: ``x`` itself only when donated,
+    else a copy into one of the communicator's spare buffers (one of that shape and dtype
+    that nothing refers to any more, :class:`~fuelspmd.backend.Spares`)."""
     if be.kind == "cuda":
         return x if donate and x.flags.c_contiguous else be.lib.array(x, order="C", copy=True)
-    if be.kind == "strict":
-        x = to_host(x)  # staged through the host
-    elif donate and type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable:
+    x = be.to_transport(x)
+    if donate and be.kind == "cpu" and x.flags.c_contiguous and x.flags.writeable:
         return x
-    buf = _spare(comm, x.shape, x.dtype)
+    buf = comm._spare.take(x.shape, x.dtype)
     np.copyto(buf, x)
     return buf
 
 
-def _spare(comm: Any, shape: Shape, dt: Any) -> np.ndarray:
-    return comm._spare.take(shape, dt)
-
-
 def _readable(be: Any, x: Any) -> Any:
     """A contiguous buffer the transport only reads (no copy when ``x`` already is one)."""
-    if be.kind == "strict":
-        return np.ascontiguousarray(to_host(x))
-    return _lib(be).ascontiguousarray(x)
-
-
-def _host(be: Any, x: Any) -> Any:
-    return to_host(x) if be.kind == "strict" else x
-
-
-def _back(be: Any, arr: Any) -> Any:
-    return be.asarray(arr) if be.kind == "strict" else arr
-
-
-def _empty(be: Any, shape: Shape, dt: DType) -> Any:
-    lib = _lib(be)
-    return lib.empty(shape, dtype=to_numpy(dt) if lib is np else be.dtype(dt))
+    return _lib(be).ascontiguousarray(be.to_transport(x))
 
 
 def _blocks(lib: Any, x: Any, axis: int, n: int) -> Any:
@@ -131,7 +169,7 @@ def _dt(arr: Any) -> DType:
     return as_dtype(str(arr.dtype).rpartition(".")[2])
 
 
-def _same_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
+def _same_rule(inputs: tuple[Node, ...], attrs: Any) -> Rule:
     x = inputs[0]
     return x.shape, x.dtype, x.device
 
@@ -149,59 +187,50 @@ def _differentiable(op: str, rop: ReduceOp) -> None:
 # ---- all_reduce ---------------------------------------------------------------------------
 def _lent(comm: Any, nbytes: int, dt: Any) -> np.ndarray | None:
     """The transport's free shared area for an all_reduce of ``nbytes`` of ``dt`` (uint8),
-    or None (the transport's ``lend`` capability): an input placed there is reduced
-    where it lies and its result stays there, so ``x = comm.all_reduce(x)`` step after
-    step, or a bucket, copies nothing in or out. The transport answers the same on every
-    rank but whether the area is free, which only picks where the input goes."""
+    or None (its ``lend`` capability): an input placed there is reduced where it lies and
+    its result stays there, so ``x = comm.all_reduce(x.donate())`` step after step, or a
+    bucket, copies nothing in or out. The transport answers the same on every rank but
+    whether the area is free, which only picks where the input goes."""
     return None if comm._lend is None else comm._lend(nbytes, dt)
 
 
-def _all_reduce(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, rop = attrs[0], attrs[2]
+def _all_reduce(be: Any, attrs: AllReduce, x: Any, *_: Any, donate: bool = False) -> Pending:
+    comm, rop = attrs.comm, attrs.op
     if comm._shared is not None and be.kind != "cuda":
-        out = comm._shared(x if be.kind == "cpu" else to_host(x), rop)
-        return Pending(comm, DONE, lambda: _back(be, out))
+        out = comm._shared(be.to_transport(x), rop)
+        return Pending(comm, DONE, lambda: be.from_transport(out))
     if type(x) is np.ndarray and not (donate and comm._lent is not None and comm._lent(x)):
-        # an input already in a lent area is donated as it is (asking for an area would
-        # only make the transport add one more)
+        # an input already in a lent area is reduced where it lies (asking for an area
+        # would only make the transport add one more)
         area = _lent(comm, x.nbytes, x.dtype)
         if area is not None:
             buf = area[:x.nbytes].view(x.dtype).reshape(x.shape)
             np.copyto(buf, x)
             return Pending(comm, comm.transport.all_reduce(buf, rop), lambda: buf)
     buf = _writable(be, x, donate, comm)
-    return Pending(comm, comm.transport.all_reduce(buf, rop), lambda: _back(be, buf))
+    return Pending(comm, comm.transport.all_reduce(buf, rop), lambda: be.from_transport(buf))
 
 
-def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any], shapes: list[Any] | None = None,
-                       total: int = 0) -> Pending:
-    """Several all_reduces in one transport call: concatenate flat (the one copy the
-    in-place op needs anyway) into a lent shared area of the transport, or the
-    communicator's spare bucket (reused step after step once no result of the last step
-    is held), reduce, and hand out views of the result: nothing is copied out. Per member
-    the Python is a few list entries (measured: about a third of the time of the 4 MiB
-    concatenation for 256 members of 16 KiB). ``shapes`` and ``total`` (elements), when
-    the caller has them from its own walk over the members, save this one's."""
-    comm, rop = attrs[0], attrs[2]
+def _all_reduce_bucket(be: Any, attrs: AllReduce, xs: list[Any], shapes: list[Shape],
+                       total: int) -> Pending:
+    """Several all_reduces in one transport call (of ``total`` elements, the members of
+    ``shapes``): concatenated flat (the one copy the in-place op needs anyway) into a lent
+    shared area of the transport or a spare buffer (reused step after step once no result
+    of the last step is held), reduced, and handed out as views of the result: nothing is
+    copied out."""
+    comm, rop = attrs.comm, attrs.op
     lib = _lib(be)
     if be.kind == "strict":
-        xs = [_host(be, x) for x in xs]
-    if shapes is None:
-        shapes = [x.shape for x in xs]
-        total = sum(math.prod(s) for s in shapes)
+        xs = [be.to_transport(x) for x in xs]
     flat = None
     if lib is np:
         dt = xs[0].dtype
         area = _lent(comm, total * dt.itemsize, dt)
-        flat = (_spare(comm, (total,), dt) if area is None else
-                area[:total * dt.itemsize].view(dt))
-    one_d = flat is not None
-    if one_d:
-        try:  # 1-D members (most gradients) concatenate as they are into the 1-D bucket
-            lib.concatenate(xs, out=flat)
-        except ValueError:  # numpy checks the dimensions before it copies anything
-            one_d = False
-    if not one_d:
+        flat = comm._spare.take((total,), dt) if area is None else (
+            area[:total * dt.itemsize].view(dt))
+    try:  # 1-D members (most gradients) concatenate as they are
+        flat = lib.concatenate(xs, out=flat)
+    except ValueError:  # numpy checks the dimensions before it copies anything
         flat = lib.concatenate([x.reshape(-1) for x in xs], out=flat)
     del xs  # the transport reads the bucket, not the inputs: let them go
     if comm._shared is not None and be.kind != "cuda":
@@ -210,32 +239,23 @@ def _all_reduce_bucket(be: Any, attrs: Attrs, xs: list[Any], shapes: list[Any] |
         work = comm.transport.all_reduce(flat, rop)
 
     def split() -> list[Any]:
-        runs = [(s, len(list(g))) for s, g in groupby(shapes)]
-        if len(runs) * 4 <= len(shapes) and all(s for s, _ in runs):
-            # runs of one shape (a stack of alike layers): each run's views are the rows
-            # of one reshape, made in C (about half the time of a slice per member)
-            outs: list[Any] = []
-            lo = 0
-            for shp, k in runs:
-                hi = lo + k * math.prod(shp)
-                outs.extend(flat[lo:hi].reshape(k, *shp))
-                lo = hi
-        else:
-            ends = list(accumulate([math.prod(s) for s in shapes]))
-            outs = [flat[lo:hi] for lo, hi in zip([0, *ends], ends)]
-            if not one_d:
-                outs = [o if len(s) == 1 else o.reshape(s) for o, s in zip(outs, shapes)]
-        if be.kind == "strict":
-            return [_back(be, part) for part in outs]
-        return outs
+        outs: list[Any] = []
+        lo = 0
+        for shp, run in groupby(shapes):  # a run of one shape: the rows of one reshape
+            k = len(list(run))
+            hi = lo + k * math.prod(shp)
+            rows = flat[lo:hi].reshape(k, *shp, *(() if shp else (1,)))
+            outs.extend(rows if shp else (r.reshape(()) for r in rows))  # 0-d: arrays too
+            lo = hi
+        return outs if be.kind != "strict" else [be.from_transport(o) for o in outs]
 
     return Pending(comm, work, split, len(shapes))
 
 
 def _vjp_all_reduce(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    comm, rop = node.attrs[0], node.attrs[2]
-    _differentiable("all_reduce", rop)
-    return (comm.all_reduce(Tensor(g), rop).node, *_rest(node))
+    attrs = node.attrs
+    _differentiable("all_reduce", attrs.op)
+    return (attrs.comm.all_reduce(Tensor(g), attrs.op).node, *_rest(node))
 
 
 ALL_REDUCE = _collective("comm.all_reduce", _same_rule, _all_reduce, _vjp_all_reduce,
@@ -243,47 +263,48 @@ ALL_REDUCE = _collective("comm.all_reduce", _same_rule, _all_reduce, _vjp_all_re
 
 
 # ---- all_gather / reduce_scatter ----------------------------------------------------------
-def _gather_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
-    x, n, ax = inputs[0], attrs[0].size, attrs[2]
+def _gather_rule(inputs: tuple[Node, ...], attrs: AllGather) -> Rule:
+    x, n, ax = inputs[0], attrs.comm.size, attrs.axis
     return (*x.shape[:ax], x.shape[ax] * n, *x.shape[ax + 1:]), x.dtype, x.device
 
 
-def _all_gather(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, ax = attrs[0], attrs[2]
+def _all_gather(be: Any, attrs: AllGather, x: Any, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
     send = _readable(be, x)
-    recv = _empty(be, (comm.size, *send.shape), _dt(send))
+    recv = be.transport_empty((comm.size, *send.shape), _dt(send))
     return Pending(comm, comm.transport.all_gather(send, recv),
-                   lambda: _back(be, _unblocks(_lib(be), recv, ax)))
+                   lambda: be.from_transport(_unblocks(_lib(be), recv, attrs.axis)))
 
 
 def _vjp_all_gather(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    comm, ax = node.attrs[0], node.attrs[2]
-    return (comm.reduce_scatter(Tensor(g), ax, "sum").node, *_rest(node))
+    attrs = node.attrs
+    return (attrs.comm.reduce_scatter(Tensor(g), attrs.axis, "sum").node, *_rest(node))
 
 
 _collective("comm.all_gather", _gather_rule, _all_gather, _vjp_all_gather)
 
 
-def _scatter_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
-    x, n, ax = inputs[0], attrs[0].size, attrs[2]
+def _scatter_rule(inputs: tuple[Node, ...], attrs: ReduceScatter) -> Rule:
+    x, n, ax = inputs[0], attrs.comm.size, attrs.axis
     return (*x.shape[:ax], x.shape[ax] // n, *x.shape[ax + 1:]), x.dtype, x.device
 
 
-def _reduce_scatter(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, ax, rop = attrs[0], attrs[2], attrs[3]
-    send = _blocks(_lib(be), _host(be, x), ax, comm.size)
-    recv = _empty(be, send.shape[1:], _dt(send))
-    return Pending(comm, comm.transport.reduce_scatter(send, recv, rop),
-                   lambda: _back(be, recv))
+def _reduce_scatter(be: Any, attrs: ReduceScatter, x: Any, *_: Any,
+                    donate: bool = False) -> Pending:
+    comm = attrs.comm
+    send = _blocks(_lib(be), be.to_transport(x), attrs.axis, comm.size)
+    recv = be.transport_empty(send.shape[1:], _dt(send))
+    return Pending(comm, comm.transport.reduce_scatter(send, recv, attrs.op),
+                   lambda: be.from_transport(recv))
 
 
 def _vjp_reduce_scatter(g: Node, node: Node, wants: tuple[bool, ...]
                         ) -> tuple[Node | None, ...]:
-    comm, ax, rop = node.attrs[0], node.attrs[2], node.attrs[3]
-    _differentiable("reduce_scatter", rop)
-    gx = comm.all_gather(Tensor(g), ax).node
-    if rop is ReduceOp.AVG:
-        gx = B.binary("div", gx, float(comm.size))
+    attrs = node.attrs
+    _differentiable("reduce_scatter", attrs.op)
+    gx = attrs.comm.all_gather(Tensor(g), attrs.axis).node
+    if attrs.op is ReduceOp.AVG:
+        gx = B.binary("div", gx, float(attrs.comm.size))
     return (gx, *_rest(node))
 
 
@@ -291,16 +312,17 @@ _collective("comm.reduce_scatter", _scatter_rule, _reduce_scatter, _vjp_reduce_s
 
 
 # ---- broadcast / all_to_all ---------------------------------------------------------------
-def _broadcast(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, root = attrs[0], attrs[2]
+def _broadcast(be: Any, attrs: Broadcast, x: Any, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
     buf = _writable(be, x, donate, comm)
-    return Pending(comm, comm.transport.broadcast(buf, root), lambda: _back(be, buf))
+    return Pending(comm, comm.transport.broadcast(buf, attrs.root),
+                   lambda: be.from_transport(buf))
 
 
 def _vjp_broadcast(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
     """Sum of the cotangents at the root, zero elsewhere (an all_reduce, then a mask: the
     ranks run the same collectives, so the backward needs no rooted reduce)."""
-    comm, root = node.attrs[0], node.attrs[2]
+    comm, root = node.attrs.comm, node.attrs.root
     total = comm.all_reduce(Tensor(g), "sum").node
     return (total if comm.rank == root else B.binary("mul", total, 0.0), *_rest(node))
 
@@ -308,75 +330,75 @@ def _vjp_broadcast(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node |
 _collective("comm.broadcast", _same_rule, _broadcast, _vjp_broadcast, inplace=True)
 
 
-def _a2a_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
-    x, n, sa, ca = inputs[0], attrs[0].size, attrs[2], attrs[3]
+def _a2a_rule(inputs: tuple[Node, ...], attrs: AllToAll) -> Rule:
+    x, n = inputs[0], attrs.comm.size
     shape = list(x.shape)
-    shape[sa] //= n
-    shape[ca] *= n
+    shape[attrs.split_axis] //= n
+    shape[attrs.concat_axis] *= n
     return tuple(shape), x.dtype, x.device
 
 
-def _all_to_all(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, sa, ca = attrs[0], attrs[2], attrs[3]
+def _all_to_all(be: Any, attrs: AllToAll, x: Any, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
     lib = _lib(be)
-    send = _blocks(lib, _host(be, x), sa, comm.size)
+    send = _blocks(lib, be.to_transport(x), attrs.split_axis, comm.size)
     recv = lib.empty_like(send)
     return Pending(comm, comm.transport.all_to_all(send, recv),
-                   lambda: _back(be, _unblocks(lib, recv, ca)))
+                   lambda: be.from_transport(_unblocks(lib, recv, attrs.concat_axis)))
 
 
 def _vjp_all_to_all(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    comm, sa, ca = node.attrs[0], node.attrs[2], node.attrs[3]
-    return (comm.all_to_all(Tensor(g), ca, sa).node, *_rest(node))
+    attrs = node.attrs
+    return (attrs.comm.all_to_all(Tensor(g), attrs.concat_axis, attrs.split_axis).node,
+            *_rest(node))
 
 
 _collective("comm.all_to_all", _a2a_rule, _all_to_all, _vjp_all_to_all)
 
 
 # ---- send / recv / barrier ----------------------------------------------------------------
-def _token_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
-    dt = inputs[0].dtype if attrs[1] else as_dtype("float32")
-    return (), dt, attrs[0].device
+def _token_rule(inputs: tuple[Node, ...], attrs: Send | Barrier) -> Rule:
+    dt = inputs[0].dtype if attrs.nin else as_dtype("float32")
+    return (), dt, attrs.comm.device
 
 
-def _send(be: Any, attrs: Attrs, x: Any, *_: Any, donate: bool = False) -> Pending:
-    comm, dst = attrs[0], attrs[2]
+def _send(be: Any, attrs: Send, x: Any, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
     buf = _readable(be, x)
-    work = comm.transport.send(buf, dst, comm._tag(comm._sent, dst))
+    work = comm.transport.send(buf, attrs.dst, comm._tag(comm._sent, attrs.dst, attrs.tag))
     return Pending(comm, work, lambda: be.zeros((), _dt(buf)))
 
 
 def _vjp_send(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    comm, dst, x = node.attrs[0], node.attrs[2], node.inputs[0]
-    return (comm.recv(x.shape, x.dtype, dst).node, *_rest(node))
+    attrs, x = node.attrs, node.inputs[0]
+    return (attrs.comm.recv(x.shape, x.dtype, attrs.dst, tag=attrs.tag).node, *_rest(node))
 
 
-_collective("comm.send", _token_rule, _send, _vjp_send)
+_collective("comm.send", _token_rule, _send, _vjp_send, serial=False)
 
 
-def _recv_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
-    return attrs[2], attrs[3], attrs[0].device
+def _recv_rule(inputs: tuple[Node, ...], attrs: Recv) -> Rule:
+    return attrs.shape, attrs.dtype, attrs.comm.device
 
 
-def _recv(be: Any, attrs: Attrs, *_: Any, donate: bool = False) -> Pending:
-    comm, shape, dt, src = attrs[0], attrs[2], attrs[3], attrs[4]
-    buf = (be.lib.empty(shape, dtype=be.dtype(dt)) if be.kind == "cuda"
-           else np.empty(shape, to_numpy(dt)))
-    work = comm.transport.recv(buf, src, comm._tag(comm._received, src))
-    return Pending(comm, work, lambda: _back(be, buf))
+def _recv(be: Any, attrs: Recv, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
+    buf = be.transport_empty(attrs.shape, attrs.dtype)
+    work = comm.transport.recv(buf, attrs.src, comm._tag(comm._received, attrs.src, attrs.tag))
+    return Pending(comm, work, lambda: be.from_transport(buf))
 
 
 def _vjp_recv(g: Node, node: Node, wants: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    comm, src = node.attrs[0], node.attrs[4]
-    comm.send(Tensor(g), src)  # joins the chain: issued with the next collective or flush
+    attrs = node.attrs
+    attrs.comm.send(Tensor(g), attrs.src, tag=attrs.tag)  # joins the chain: issued later
     return tuple(None for _ in node.inputs)
 
 
-_collective("comm.recv", _recv_rule, _recv, _vjp_recv)
+_collective("comm.recv", _recv_rule, _recv, _vjp_recv, serial=False)
 
 
-def _barrier(be: Any, attrs: Attrs, *_: Any, donate: bool = False) -> Pending:
-    comm = attrs[0]
+def _barrier(be: Any, attrs: Barrier, *_: Any, donate: bool = False) -> Pending:
+    comm = attrs.comm
     return Pending(comm, comm.transport.barrier(), lambda: be.zeros((), "float32"))
 
 

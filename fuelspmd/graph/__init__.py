@@ -5,12 +5,13 @@ table (definitions only; nothing runs). The parts, in the order a graph meets th
 
 - ``op``: the :class:`Op` record and the table; ``elementwise``, ``structural`` and
   ``reduce`` register the primitives (rule, Array API kernel and vjp side by side);
-- ``node``: :class:`Node`, hash-consing (:func:`make`), leaves and constants;
+- ``node``: :class:`Node` (:func:`make` runs the op's rule), leaves and constants;
 - ``build``: builders with promotion and scalars, used by the vjps and the Tensor front;
-- ``passes``: lowering to a flat IR keyed by structure, simplify/CSE/fold, DCE;
-- ``plan``: fusion groups, the linear schedule of steps, the memory plan;
+- ``passes``: lowering to a flat IR, simplify/CSE/fold, DCE;
+- ``plan``: fusion groups, the linear schedule of typed steps, the memory plan;
 - ``fused``: fused programs (numpy out= in cache-sized chunks, cupy kernel source);
-- ``executor``: the plan cache and the run, counting live bytes.
+- ``executor``: the one realise path: a cached plan binds the graph or one is made; the
+  run, counting live bytes.
 """
 
 from __future__ import annotations

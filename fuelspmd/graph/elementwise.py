@@ -15,7 +15,7 @@ from fuelspmd.errors import DTypeError
 
 from . import build as B
 from .node import Node
-from .op import Attrs, Op, register
+from .op import Attrs, Fill, Op, register
 
 _ALL = tuple(range(3))
 
@@ -26,18 +26,17 @@ def _no_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Any:
     raise RuntimeError("a leaf is made by graph.leaf(), not by make()")
 
 
-def _const_rule(inputs: tuple[Node, ...], attrs: Attrs) -> tuple[Shape, DType, Any]:
-    _, shape, dt, dev = attrs
-    return shape, dt, dev
+def _const_rule(inputs: tuple[Node, ...], attrs: Fill) -> tuple[Shape, DType, Any]:
+    return attrs.shape, attrs.dtype, attrs.device
 
 
-def _const_kernel(be: Any, attrs: Attrs) -> Any:
-    value, shape, dt, _ = attrs
-    return be.xp.full(shape, value, dtype=be.dtype(dt))
+def _const_kernel(be: Any, attrs: Fill) -> Any:
+    return be.xp.full(attrs.shape, attrs.value, dtype=be.dtype(attrs.dtype))
 
 
 register(Op("leaf", _no_rule, None, kind="leaf"))
 register(Op("donated", _no_rule, None, kind="donated"))  # a consumed donated leaf
+register(Op("posted", _no_rule, None, kind="posted"))  # issued early: graph.node.post
 register(Op("const", _const_rule, _const_kernel, kind="const"))
 
 

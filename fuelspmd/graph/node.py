@@ -1,22 +1,16 @@
-"""Graph nodes and hash-consing.
+"""Graph nodes.
 
 A :class:`Node` is one value of the lazy graph: an op applied to input nodes with static
-attributes, its shape, dtype and device fixed when it is built. A node holding a
-``buffer`` is realised: it has dropped its inputs (realised history costs no memory) and
-acts as a leaf from then on.
-
-Hash-consing: :func:`make` returns the existing node when the same op is applied to the
-same inputs (by identity) with the same attributes, so common subexpressions are one node
-from the start. The table holds nodes weakly; its key holds the inputs, which the node
-holds anyway, and a realised node leaves the table (it has dropped its inputs). The
-device needs no place in the key: it follows from the inputs, or for a constant from its
-attributes. Effectful ops are never merged.
+attributes, its shape, dtype and device fixed when it is built (the op's rule runs then,
+so a bad shape raises where it is written). A node holding a ``buffer`` is realised: it
+has dropped its inputs (realised history costs no memory) and acts as a leaf from then on.
+Building a node does nothing else: common subexpressions are merged when a graph is
+planned (:func:`~fuelspmd.graph.passes.optimise`), once per structure, not per node built.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 from fuelspmd.backend import Device
@@ -24,16 +18,16 @@ from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, DeviceError
 
-from .op import Attrs, Op, get_op
+from .op import Attrs, Fill, Op, get_op
 
-__all__ = ["Node", "array_dtype", "canonical", "const", "consume", "leaf", "make",
-           "mark_realised"]
+__all__ = ["Node", "array_dtype", "canonical", "check_live", "const", "consume", "finish", "leaf",
+           "make", "mark_realised", "post"]
 
 
 class Node:
     """One value of the graph; see the module docstring."""
 
-    __slots__ = ("__weakref__", "attrs", "buffer", "device", "donated", "dtype", "inputs", "key",
+    __slots__ = ("__weakref__", "attrs", "buffer", "device", "donated", "dtype", "inputs", "mark",
                  "op", "shape")
 
     def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: Attrs, shape: Shape,
@@ -45,8 +39,8 @@ class Node:
         self.dtype = dtype
         self.device = device
         self.buffer = buffer
-        self.key: tuple[Any, ...] | None = None
         self.donated = False  # a leaf the caller gave up: the next realise may write it
+        self.mark = 0  # the last plan binding that reached it (executor)
 
     @property
     def realised(self) -> bool:
@@ -61,11 +55,8 @@ class Node:
         return f"Node({self.op.name}, {self.shape}, {self.dtype}, {self.device}, {state})"
 
 
-_INTERNED: weakref.WeakValueDictionary[tuple[Any, ...], Node] = weakref.WeakValueDictionary()
-
-
 def make(name: str, inputs: tuple[Node, ...] | list[Node], attrs: Attrs = ()) -> Node:
-    """Build (or find) the node ``name(inputs; attrs)``, running the op's shape rule now."""
+    """Build the node ``name(inputs; attrs)``, running the op's shape rule now."""
     op = get_op(name)
     inputs = tuple(inputs)
     if inputs and op.name != "to":
@@ -75,18 +66,8 @@ def make(name: str, inputs: tuple[Node, ...] | list[Node], attrs: Attrs = ()) ->
                 raise DeviceError(
                     f"{name}: inputs live on {dev} and {x.device}; move one with "
                     f".to({str(dev)!r}) first")
-    key = None
-    if not op.effectful:
-        key = (op, inputs, attrs)  # the inputs themselves: the node holds them anyway
-        found = _INTERNED.get(key)
-        if found is not None:
-            return found
     shape, dt, dev = op.rule(inputs, attrs)
-    node = Node(op, inputs, attrs, tuple(shape), dt, dev)
-    if key is not None:
-        node.key = key
-        _INTERNED[key] = node
-    return node
+    return Node(op, inputs, attrs, tuple(shape), dt, dev)
 
 
 _DEVICES: dict[Device, Device] = {}
@@ -112,16 +93,29 @@ def const(value: float | int | bool, shape: Shape, dt: DType, device: Device) ->
         value = int(value)
     else:
         value = float(value)
-    return make("const", (), (value, tuple(shape), dt, canonical(device)))
+        return make("const", (), Fill(value, tuple(shape), dt, canonical(device),
+                                      math.copysign(1.0, value) < 0))
+    return make("const", (), Fill(value, tuple(shape), dt, canonical(device)))
 
 
 def mark_realised(node: Node, buffer: Any) -> None:
-    """Give ``node`` its buffer and drop its inputs (and its hash-consing entry)."""
-    if node.key is not None and _INTERNED.get(node.key) is node:
-        del _INTERNED[node.key]
-    node.key = None
+    """Give ``node`` its buffer and drop its inputs."""
     node.buffer = buffer
     node.inputs = ()
+
+
+def post(node: Node, pending: Any) -> None:
+    """Mark effectful ``node`` as issued ahead of any realise: ``pending.finish()`` gives
+    its value, which :func:`finish` collects when a realise first needs it (its order
+    tokens are dropped: it is issued)."""
+    node.op, node.attrs, node.inputs = get_op("posted"), pending, ()
+
+
+def finish(node: Node) -> None:
+    """Wait for a posted node (see :func:`post`) and make it a realised leaf."""
+    value = node.attrs.finish()
+    node.op, node.attrs = get_op("leaf"), ()
+    mark_realised(node, value)
 
 
 def consume(node: Node) -> None:

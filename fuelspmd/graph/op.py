@@ -11,21 +11,42 @@ Each entry holds everything the graph knows about a primitive, side by side:
   whether input ``i`` needs a cotangent; the rule returns ``None`` where it does not);
 - ``kind``: how the optimiser may treat it. ``elementwise`` ops may be fused (``ufunc`` names
   the numpy ufunc of the CPU out= path, ``cexpr`` the C expression of the cupy kernel);
-  ``view`` ops return an alias of their input's memory; ``effectful`` ops (collectives,
-  added by the communicator layer) are never merged, folded or dropped; one with a
-  ``bucket`` kernel may have consecutive nodes of equal attributes fused into one call by
-  the planner (gradient bucketing).
+  ``view`` ops return an alias of their input's memory.
+
+Effectful ops (collectives, added by the communicator layer) are never merged, folded or
+dropped. Their attributes are a named tuple whose fields ``comm`` (the op's *stream*:
+whatever orders its operations, compared by identity) and ``nin`` (how many leading
+inputs are data; the rest are order tokens) the planner reads; ``start(backend, attrs,
+*arrays, donate=False)`` issues the op and returns an object whose ``finish()`` waits and
+gives the value, so the planner can put steps between the two. A ``serial`` op (a
+collective) has one operation per stream in flight at a time; point-to-point ops do not
+wait for each other. One with a ``bucket(backend, attrs, arrays, shapes, total)`` kernel
+may have consecutive nodes of equal attributes (of these shapes, ``total`` elements in
+all) issued as one call of at most ``bucket_bytes(attrs)`` bytes, whose ``finish()`` gives
+the list of results.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["OPS", "Op", "get_op", "register"]
+__all__ = ["OPS", "Fill", "Op", "get_op", "register"]
 
 Attrs = tuple[Any, ...]
+
+
+class Fill(NamedTuple):
+    """A constant's attributes: ``value`` everywhere of ``shape``, ``dtype``, ``device``.
+    ``negative`` is the sign bit of a float value, so that -0.0 and 0.0, equal as Python
+    numbers, are two constants (``1 / -0.0`` is ``-inf``)."""
+
+    value: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    device: Any
+    negative: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,12 +61,8 @@ class Op:
     ufunc: str | None = None
     cexpr: str | None = None
     inplace_ok: tuple[int, ...] | None = None  # operands a fused CPU step may overwrite
-    effectful: bool = False
-    # collectives: ``start(backend, attrs, *arrays, donate=)`` issues the op and returns an
-    # object whose ``finish()`` waits and gives the value, so the planner can put steps
-    # between the two; ``bucket(backend, attrs, arrays, shapes=None, total=0)`` starts
-    # several nodes of equal attrs as one (its finish gives the list; the caller may pass
-    # the nodes' shapes and total elements), in buckets of ``bucket_bytes(attrs)`` bytes
+    effectful: bool = False  # the rest: effectful ops only (see the module docstring)
+    serial: bool = True
     start: Callable[..., Any] | None = None
     bucket: Callable[..., Any] | None = None
     bucket_bytes: Callable[[Attrs], int] | None = None

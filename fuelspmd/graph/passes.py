@@ -14,8 +14,8 @@ from typing import Any
 from fuelspmd.backend import Device, get_backend
 from fuelspmd.dtypes import DType, Shape
 
-from .node import Node, array_dtype, check_live
-from .op import Attrs, Op, get_op
+from .node import Node, array_dtype, check_live, finish
+from .op import Attrs, Fill, Op, get_op
 
 __all__ = ["FOLD_LIMIT", "Instr", "lower", "optimise"]
 
@@ -75,6 +75,9 @@ def lower(targets: list[Node], effects: list[Node] | None = None
                 add_sig((leaf_op, (), (True,) if node.donated else (), node.shape, node.dtype,
                          node.device))
                 add_leaf(node)
+                continue
+            if node.op.kind == "posted":
+                finish(node)  # issued earlier (Communicator.post): a leaf once done
                 continue
             if not node.inputs:
                 check_live(node)
@@ -151,12 +154,14 @@ def _fold(ir: list[Instr], ins: Instr) -> Instr | None:
     if scalar:  # elementwise over fills is a fill: keep it as structure, any size
         value: Any = (bool(out) if ins.dtype.is_bool else int(out) if ins.dtype.is_integer
                       else float(out))
-        return Instr(get_op("const"), (), (value, ins.shape, ins.dtype, ins.device), ins.shape,
+        attrs = Fill(value, ins.shape, ins.dtype, ins.device,
+                     isinstance(value, float) and math.copysign(1.0, value) < 0)
+        return Instr(get_op("const"), (), attrs, ins.shape,
                      ins.dtype, ins.device)
     if array_dtype(out) is not ins.dtype or tuple(out.shape) != ins.shape:
         raise RuntimeError(f"folding {ins.op.name} gave {out.shape} {out.dtype}, expected "
                            f"{ins.shape} {ins.dtype}")
-    return Instr(get_op("const"), (), ("array", ins.shape, ins.dtype, ins.device), ins.shape,
+    return Instr(get_op("const"), (), Fill("array", ins.shape, ins.dtype, ins.device), ins.shape,
                  ins.dtype, ins.device, value=out)
 
 

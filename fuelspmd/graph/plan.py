@@ -1,22 +1,37 @@
-"""From optimised IR to a Plan: fusion groups, a linear schedule of steps, memory plan.
+"""From optimised IR to a Plan: fusion groups, a linear schedule of typed steps, memory plan.
 
 A :class:`Plan` is a function of the graph's structure only; the executor binds leaf
-buffers to its placeholder slots and runs ``steps`` in order. The schedule is a plain list,
-so a later "start"/"wait" pair (a collective started when its input is ready and waited
-where its result is first needed) is just two more steps in it. A collective (an
-effectful op) is a ``collective`` step: its result is never pooled or donated (an
-in-process group shares one result array between devices), and it may itself take over
-its input's buffer when that input dies at the step (``donate``).
+buffers to its placeholder slots and runs ``steps`` in order, each ``step.run(vals, mem)``.
+The steps are small typed objects: :class:`Kernel` (an op's Array API kernel),
+:class:`Matmul` (numpy with an ``out=`` buffer), :class:`Fused` (a fused elementwise group;
+:mod:`.fused` runs it on numpy, cupy or any Array API library), and :class:`Start` /
+:class:`Wait` for an effectful op or a bucket of them: the start issues it when its input
+is ready and the wait finishes it where its result is first needed, so independent steps
+run while it is in flight.
+
+Effectful ops (collectives) follow :class:`~fuelspmd.graph.op.Op`'s contract: each belongs
+to a stream (``attrs.comm``); the streams' operations start in creation order, and of a
+``serial`` op (a collective) one per stream is in flight at a time. Moving a collective
+later never reorders a stream, so the transport order stays the creation order.
+
+The one bucket rule (:func:`joins_bucket`): consecutive collectives of one bucketable op
+with equal attributes (one stream, one reduce op), dtype and device, with no other
+effectful op between them and no step between them reading a member's result, up to the
+op's ``bucket_bytes``, are one transport call (a step's gradient all_reduces).
 
 Memory plan, decided here once per plan:
 
 - a value's *storage* is its own buffer, or for a view the storage it aliases; a storage
   is released after the last step that reads any of its aliases, never if an output or a
   leaf aliases it;
+- the executor may write a buffer only when it owns it: a value it allocated, or a leaf the
+  caller donated (``Tensor.donate``); an effectful op's result may be shared (an in-process
+  group hands one array to every device), so it is never reused;
 - released buffers go to a pool keyed by (elements, dtype) only when a later step will
   allocate that key (simulated here), else they are dropped at once;
-- a fused step may write into an input buffer that dies at that step (a "donor");
-- a fused step may also write members that later steps read ("exports"), so a chain of
+- a fused step may write into an owned input that dies at that step (a *donor*), and an
+  in-place collective may take over such an input's buffer;
+- a fused step may also write members that later steps read (*exports*), so a chain of
   values saved for the backward is still one pass over memory.
 """
 
@@ -24,51 +39,271 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
-from operator import attrgetter
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from fuelspmd.backend import get_backend
 from fuelspmd.dtypes import DType, to_numpy
 
-from .fused import NumpyFused, Program, build_program, cupy_kernel, scalar_for
+from .fused import NumpyFused, Program, build_program, cupy_kernel, run_generic, scalar_for
 from .passes import Instr
 
-__all__ = ["Plan", "Step", "joins_bucket", "make_plan", "take_bucket"]
+__all__ = ["Fused", "Kernel", "Matmul", "Plan", "Start", "Step", "Wait", "joins_bucket",
+           "make_plan"]
 
 PoolKey = tuple[int, DType]
 
 
-@dataclass(eq=False)
-class Step:
-    """One step of the schedule.
+class Memory:
+    """Buffers of one run: a pool of released ones by (elements, dtype), and live bytes."""
 
-    ``kind``: ``kernel`` (an op's Array API kernel), ``matmul_out`` and ``fused`` (numpy
-    with out= buffers from the pool), ``fused_generic`` (members' kernels one by one, any
-    Array API library), ``fused_cupy`` (one generated kernel). ``owns``: the output is a
-    new buffer the executor counts. After the step, ``release`` lists (slot, pool?) for
-    storages whose life ends and ``drop`` the slots whose references just go.
+    __slots__ = ("allocations", "live", "peak", "pool")
+
+    def __init__(self) -> None:
+        self.pool: dict[tuple[int, Any], list[Any]] = {}
+        self.live = 0
+        self.peak = 0
+        self.allocations = 0
+
+    def alloc(self, shape: tuple[int, ...], dt: Any, nbytes: int) -> Any:
+        size = nbytes // dt.itemsize if dt.itemsize else 0
+        free = self.pool.get((size, dt))
+        if free:
+            buf = free.pop()
+            return buf if buf.shape == shape else buf.reshape(shape)
+        self.own(nbytes)
+        return np.empty(shape, dt)
+
+    def own(self, nbytes: int) -> None:
+        self.allocations += 1
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def release(self, arr: Any, pool: bool, nbytes: int) -> None:
+        if pool and arr.flags.c_contiguous:
+            self.pool.setdefault((arr.size, arr.dtype), []).append(arr)
+        else:
+            self.live -= nbytes
+
+
+class Step:
+    """One step of the schedule: ``run`` computes value ``out`` from the values ``ins``.
+
+    After it, ``release`` lists (slot, pool?) for storages whose life ends and ``drop``
+    the slots whose references just go (the executor does both).
     """
 
-    kind: str
-    out: int
-    ins: tuple[int, ...]
-    instr: Instr
-    backend: Any
-    owns: bool = True
-    members: list[int] = field(default_factory=list)
-    exports: list[int] = field(default_factory=list)  # members later steps read too
-    prog: Program | None = None
-    runner: NumpyFused | None = None
-    regs: list[Any] = field(default_factory=list)  # fused: template with scalars filled in
-    np_dtypes: list[Any] = field(default_factory=list)  # numpy dtype of output / each temp
-    scratch_pool: list[bool] = field(default_factory=list)  # per scratch temp: pool it?
-    cuda_kernel: Any = None
-    out_dtypes: list[DType] = field(default_factory=list)  # fused_cupy: root, then exports
-    release: list[tuple[int, bool]] = field(default_factory=list)
-    drop: list[int] = field(default_factory=list)
-    donate: bool = False  # collective: its in-place input dies here, so it may be overwritten
-    pair: int = -1  # start: the index of its wait step
+    __slots__ = ("backend", "drop", "exports", "ins", "instr", "nbytes", "out", "release")
+    kind = "step"  # what it is, for people and tests reading a plan (never dispatched on)
+    prog: Program | None = None  # a fused step's program
+
+    def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any) -> None:
+        self.out, self.ins, self.instr, self.backend = out, ins, instr, backend
+        self.nbytes = instr.size * instr.dtype.itemsize
+        self.exports: list[int] = []  # values besides ``out`` that the step writes
+        self.release: list[tuple[int, bool]] = []
+        self.drop: list[int] = []
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        raise NotImplementedError
+
+    def allocs(self) -> list[PoolKey]:
+        """The (elements, dtype) of each buffer this step takes from the pool, in order."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.instr.op.name} -> {self.out} <- {self.ins})"
+
+
+class Kernel(Step):
+    """An op's own Array API kernel; ``owns``: its output is a new buffer (not a view)."""
+
+    __slots__ = ("owns",)
+    kind = "kernel"
+
+    def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any,
+                 owns: bool) -> None:
+        super().__init__(out, ins, instr, backend)
+        self.owns = owns
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        ins = self.instr
+        out = ins.op.kernel(self.backend, ins.attrs, *[vals[i] for i in self.ins])
+        if self.backend.kind == "cpu" and type(out) is not np.ndarray:
+            out = np.asarray(out)  # numpy reduces to scalars; keep 0-d arrays
+        vals[self.out] = out
+        if self.owns:
+            mem.own(self.nbytes)
+
+
+class Matmul(Step):
+    """numpy's matmul into a buffer from the pool."""
+
+    __slots__ = ("np_dtype",)
+    kind = "matmul_out"
+
+    def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any) -> None:
+        super().__init__(out, ins, instr, backend)
+        self.np_dtype = to_numpy(instr.dtype)
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        buf = mem.alloc(self.instr.shape, self.np_dtype, self.nbytes)
+        vals[self.out] = np.matmul(vals[self.ins[0]], vals[self.ins[1]], out=buf)
+
+    def allocs(self) -> list[PoolKey]:
+        return [(self.instr.size, self.instr.dtype)]
+
+
+class Fused(Step):
+    """A fused elementwise group (its ``members``, root last; ``exports``: members later
+    steps read too), compiled by :meth:`compile` once its donors are known."""
+
+    __slots__ = ("cuda_kernel", "export_bytes", "members", "np_dtypes", "out_dtypes", "prog",
+                 "regs", "runner", "scratch_pool")
+
+    def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any,
+                 members: list[int], exports: list[int]) -> None:
+        super().__init__(out, ins, instr, backend)
+        self.members, self.exports = members, exports
+        self.prog: Program | None = None
+        self.runner: NumpyFused | None = None
+        self.regs: list[Any] = []
+        self.np_dtypes: list[Any] = []
+        self.scratch_pool: list[bool] = []
+        self.cuda_kernel: Any = None
+        self.out_dtypes: list[DType] = []
+        self.export_bytes: list[int] = []
+
+    @property  # type: ignore[override]
+    def kind(self) -> str:
+        return {"cpu": "fused", "cuda": "fused_cupy"}.get(self.backend.kind, "fused_generic")
+
+    def compile(self, ir: list[Instr], donors: set[int]) -> None:
+        """Build the program (donors only matter on numpy) and its runner."""
+        self.prog = prog = build_program(ir, self.members, list(self.ins), donors,
+                                         set(self.exports))
+        self.exports = [v for v, _ in prog.exports]  # the program's order
+        self.export_bytes = [ir[v].size * ir[v].dtype.itemsize for v in self.exports]
+        kind = self.backend.kind
+        if kind == "cpu":
+            self.runner = NumpyFused(prog, [ir[u].shape for u in self.ins])
+            self.np_dtypes = [to_numpy(dt) for dt in prog.temps]
+        elif kind == "cuda":
+            self.cuda_kernel = cupy_kernel(prog, ir)
+            self.out_dtypes = [self.instr.dtype, *(ir[e].dtype for e in self.exports)]
+        self.regs = [None] * prog.n_ext + [scalar_for(v, dt, self.backend)
+                                           for v, dt in prog.scalars]
+        self.regs += [None] * len(prog.temps)
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        if self.runner is not None:
+            vals[self.out] = self._numpy(vals, mem)
+            return
+        args = [vals[i] for i in self.ins]
+        if self.cuda_kernel is not None:  # one kernel writes the root and every export
+            be = self.backend
+            outs = [be.lib.empty(self.instr.shape, dtype=be.dtype(dt)) for dt in self.out_dtypes]
+            self.cuda_kernel(*args, *outs)
+        else:  # any other Array API library: the members' own kernels, one by one
+            regs = self.regs.copy()
+            regs[:len(args)] = args
+            outs = run_generic(self.prog, self.backend, regs)  # type: ignore[arg-type]
+        for v, arr, nbytes in zip([self.out, *self.exports], outs,
+                                  [self.nbytes, *self.export_bytes]):
+            vals[v] = arr
+            mem.own(nbytes)
+
+    def _numpy(self, vals: list[Any], mem: Memory) -> Any:
+        """Run on numpy: donors lend their buffers, the rest come from the pool."""
+        prog, runner = self.prog, self.runner
+        assert prog is not None and runner is not None
+        regs = self.regs.copy()
+        for k, slot in enumerate(self.ins):
+            regs[k] = vals[slot]
+        base = runner.base
+        for t, k in prog.donor_of.items():
+            regs[base + t] = vals[self.ins[k]]
+        dts = self.np_dtypes
+        for t in runner.full_new:
+            regs[base + t] = mem.alloc(self.instr.shape, dts[t],
+                                       self.instr.size * dts[t].itemsize)
+        part = runner.scratch_shape
+        size = math.prod(part)
+        for t in runner.scratch:
+            regs[base + t] = mem.alloc(part, dts[t], size * dts[t].itemsize)
+        out = runner.run(regs)
+        for v, t in prog.exports:
+            vals[v] = regs[base + t]
+        for t, pool in zip(runner.scratch, self.scratch_pool):
+            arr = regs[base + t]
+            mem.release(arr, pool, arr.nbytes)
+        regs.clear()  # donors' buffers must go now, not when regs is next rebound
+        return out
+
+    def allocs(self) -> list[PoolKey]:
+        if self.runner is None or self.prog is None:
+            return []
+        full = [(self.instr.size, self.prog.temps[t]) for t in self.runner.full_new]
+        part = math.prod(self.runner.scratch_shape)
+        return full + [(part, self.prog.temps[t]) for t in self.runner.scratch]
+
+
+class Start(Step):
+    """Issue an effectful op, or a bucket of them (``members``: their value slots, in
+    order), once its data inputs are ready; the pending operation waits in ``out``'s slot
+    for its :class:`Wait`. ``donate``: the op may overwrite its input 0, which dies here."""
+
+    __slots__ = ("donate", "members", "pair", "shapes", "total")
+
+    def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any,
+                 members: list[int], shapes: list[tuple[int, ...]] | None = None) -> None:
+        super().__init__(out, ins, instr, backend)
+        self.members = members
+        self.shapes = shapes or []  # a bucket's members' shapes, and their elements in all
+        self.total = sum(math.prod(shp) for shp in self.shapes)
+        self.donate = False
+        self.pair = -1  # the index of its Wait in the schedule
+
+    @property  # type: ignore[override]
+    def kind(self) -> str:
+        return "bucket_start" if len(self.members) > 1 else "start"
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        ins = self.instr
+        args = [vals[i] for i in self.ins]
+        if len(self.members) > 1:
+            vals[self.out] = ins.op.bucket(self.backend, ins.attrs, args, self.shapes,
+                                           self.total)
+        elif self.donate:
+            vals[self.out] = ins.op.start(self.backend, ins.attrs, *args, donate=True)
+        else:
+            vals[self.out] = ins.op.start(self.backend, ins.attrs, *args)
+
+
+class Wait(Step):
+    """Finish the operation its :class:`Start` issued; its result (or each member's) goes
+    to its slot. Lists the start's inputs, so they live until the transport is done."""
+
+    __slots__ = ("members", "start")
+
+    def __init__(self, start: Start) -> None:
+        super().__init__(start.out, start.ins, start.instr, start.backend)
+        self.members, self.start = start.members, start
+
+    @property  # type: ignore[override]
+    def kind(self) -> str:
+        return "bucket_wait" if len(self.members) > 1 else "wait"
+
+    def run(self, vals: list[Any], mem: Memory) -> None:
+        result = vals[self.out].finish()
+        if len(self.members) == 1:
+            vals[self.out] = result
+        else:
+            for v, arr in zip(self.members, result):
+                vals[v] = arr
 
 
 @dataclass(eq=False)
@@ -82,6 +317,7 @@ class Plan:
     outs: tuple[int, ...]
     nbytes: list[int]  # bytes of each value
     n_fused_ops: int
+    binding: Any = None  # how it finds its nodes in a graph (executor.Binding)
 
     def copy_preset(self, slot: int) -> Any | None:
         """A copy of the folded constant in ``slot`` (None if ``slot`` holds none)."""
@@ -133,10 +369,8 @@ def _groups(ir: list[Instr], users: list[list[int]]) -> tuple[list[int], list[li
     return group_of, [list(reversed(m)) for m in members]
 
 
-def _exports(members: list[int], group_of: list[int], g: int, users: list[list[int]],
-             outs: set[int]) -> set[int]:
-    """Members of group ``g`` that an output or a later step reads."""
-    return {m for m in members[:-1] if m in outs or any(group_of[u] != g for u in users[m])}
+def _is_fill(ins: Instr) -> bool:
+    return ins.op.kind == "const" and ins.value is None
 
 
 def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...]) -> Plan:
@@ -172,226 +406,142 @@ def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...
         if g >= 0:
             ext = list(dict.fromkeys(u for m in groups[g] for u in ir[m].ins
                                      if group_of[u] != g and not _is_fill(ir[u])))
-            exports = _exports(groups[g], group_of, g, users, out_set)
-            steps.append(Step("fused", v, tuple(ext), ins, be, members=groups[g],
-                              exports=sorted(exports)))
-        elif ins.op.effectful:
-            steps.append(Step("collective", v, ins.ins, ins, be, owns=False))
+            exports = sorted(m for m in groups[g][:-1] if m in out_set
+                             or any(group_of[u] != g for u in users[m]))
+            steps.append(Fused(v, tuple(ext), ins, be, groups[g], exports))
+        elif ins.op.start is not None:
+            steps.append(Start(v, ins.ins, ins, be, [v]))
         elif ins.op.name == "matmul" and be.kind == "cpu":
-            steps.append(Step("matmul_out", v, ins.ins, ins, be,
-                              np_dtypes=[to_numpy(ins.dtype)]))
+            steps.append(Matmul(v, ins.ins, ins, be))
         else:
-            steps.append(Step("kernel", v, ins.ins, ins, be, owns=ins.op.kind != "view"))
-    steps = _overlap(_buckets(ir, steps))
+            steps.append(Kernel(v, ins.ins, ins, be,
+                                owns=ins.op.kind != "view" and not ins.op.effectful))
+    steps = _schedule(_buckets(steps))
     _plan_memory(ir, steps, outs)
-    n_fused = sum(len(s.prog.code) for s in steps if s.prog is not None)
-    nbytes = [ins.size * ins.dtype.itemsize for ins in ir]
-    return Plan(n, leaf_slots, presets, steps, outs, nbytes, n_fused)
+    n_fused = sum(len(s.prog.code) for s in steps if isinstance(s, Fused) and s.prog)
+    return Plan(n, leaf_slots, presets, steps, outs, [i.size * i.dtype.itemsize for i in ir],
+                n_fused)
 
 
-def _buckets(ir: list[Instr], steps: list[Step]) -> list[Step]:
-    """Fuse runs of bucketable collectives that are ready together into ``bucket`` steps.
+def joins_bucket(head: Any, x: Any, nbytes: int) -> int:
+    """The bytes of the bucket opened by ``head`` (holding ``nbytes``) once effectful ``x``
+    joins it, or -1 when it may not: the same bucketable op with equal attributes (one
+    stream, one reduce op), dtype and device, and the bucket within the op's size."""
+    op = x.op
+    if (op.bucket is None or op.bucket_bytes is None or head.op is not op
+            or head.dtype is not x.dtype or head.device != x.device
+            or (head.attrs is not x.attrs and head.attrs != x.attrs)):
+        return -1
+    total = nbytes + math.prod(x.shape) * x.dtype.itemsize
+    return total if total <= op.bucket_bytes(x.attrs) else -1
 
-    A run is collective steps of one op with equal attributes (so one communicator and
-    reduce op), dtype and device, up to the op's bucket size, with no other collective
-    between them and no step between them reading a member's result (a member's only
-    member input is the previous member, as its order token). The run becomes one step at
-    its last member's place: every member's input is ready there, and no one needed a
-    result earlier. Moving a collective later never reorders one communicator's
-    collectives, so the transport order stays the creation order.
+
+def _data(s: Step) -> tuple[int, ...]:
+    """A start's data inputs (its others are order tokens); any other step's inputs."""
+    if isinstance(s, Start) and len(s.members) == 1:
+        return s.ins[:s.instr.attrs.nin]
+    return s.ins
+
+
+def _buckets(steps: list[Step]) -> list[Step]:
+    """Fuse runs of bucketable collectives into one :class:`Start` (see the module).
+
+    The run becomes one step at its last member's place: every member's input is ready
+    there, and no one needed a result earlier (a step between that reads one closes it).
     """
     out: list[Step] = []
-    run: list[Step] = []
+    run: list[Start] = []
     members: set[int] = set()
-    run_bytes = 0
+    nbytes = 0
 
     def close() -> None:
-        nonlocal run, run_bytes
+        nonlocal run, nbytes
         if len(run) > 1:
             last = run[-1]
-            ins = tuple(s.ins[k] for s in run for k in range(s.instr.attrs[1]))
-            out.append(Step("bucket", last.out, ins, last.instr, last.backend, owns=False,
-                            members=[s.out for s in run]))
+            ins = tuple(u for s in run for u in _data(s))
+            out.append(Start(last.out, ins, last.instr, last.backend, [s.out for s in run],
+                             [s.instr.shape for s in run]))
         else:
             out.extend(run)
-        run, run_bytes = [], 0
+        run, nbytes = [], 0
         members.clear()
 
     for s in steps:
-        op = s.instr.op
-        if s.kind == "collective" and op.bucket is not None and op.bucket_bytes is not None:
-            fit = joins_bucket(run[0].instr, s.instr, run_bytes) if run else -1
-            if fit < 0 or any(u in members for u in s.ins[:s.instr.attrs[1]]):
+        if isinstance(s, Start):
+            fit = joins_bucket(run[0].instr, s.instr, nbytes) if run else -1
+            if fit < 0 or any(u in members for u in _data(s)):
                 close()
-                fit = s.instr.size * s.instr.dtype.itemsize
+                fit = s.nbytes if s.instr.op.bucket is not None else -1
+            if fit < 0:  # not bucketable: alone
+                out.append(s)
+                continue
             run.append(s)
             members.add(s.out)
-            run_bytes = fit
+            nbytes = fit
             continue
-        if s.kind == "collective" or any(u in members for u in s.ins):
+        if any(u in members for u in s.ins):
             close()
         out.append(s)  # with a run open, it runs before the bucket: it reads no member
     close()
     return out
 
 
-def joins_bucket(head: Any, x: Any, run_bytes: int) -> int:
-    """The bytes of the bucket opened by ``head`` (holding ``run_bytes``) once collective
-    ``x`` joins it, or -1 when ``x`` may not join: it must be the same bucketable op with
-    equal attributes (one communicator, one reduce op), dtype and device, and the bucket
-    must stay within the op's size.
+def _schedule(steps: list[Step]) -> list[Step]:
+    """Split every :class:`Start` into a start and a :class:`Wait`, and place them.
 
-    ``head`` and ``x`` are IR values or graph nodes (both carry op, attrs, shape, dtype and
-    device): the planner and the executor's direct path bucket by this one rule.
+    A start goes right after the step that makes its last data input, but never before an
+    earlier start: starts keep their order, so each stream's transport order is the
+    creation order. A wait goes right before the first step that reads its result, or at
+    the end; for a ``serial`` op (a collective), also before the next start on its stream
+    (one in flight per stream). The positions are the steps' indices with fractions, so
+    one sort places them all.
     """
-    op = x.op
-    if not (op.bucket_bytes is not None and _alike(head, x)):
-        return -1
-    total = run_bytes + math.prod(x.shape) * x.dtype.itemsize
-    return total if total <= op.bucket_bytes(x.attrs) else -1
-
-
-def _alike(head: Any, x: Any) -> bool:
-    """The bucket rule's test: the same op, equal attributes (one communicator, one reduce
-    op), dtype and device (each compared by identity first, as a tuple compares)."""
-    return _ALIKE(head) == _ALIKE(x)
-
-
-_ALIKE = attrgetter("op", "attrs", "dtype", "device")
-
-
-def take_bucket(head: Any, todo: list[Any]) -> list[Any]:
-    """Take from the end of ``todo`` the graph nodes that join the bucket ``head`` opens
-    (the rule of :func:`joins_bucket`, for the executor's direct path); return the run,
-    ``head`` first. The limit is read once and counted down in elements, and a member
-    whose op, attrs, dtype and device are ``head``'s own objects, as one communicator's
-    all_reduces are, skips the call to the test; the members are sliced off at the end
-    (measured, 256 members: 33 us against 89 us popping them one by one).
-    """
-    op = head.op
-    if op.bucket_bytes is None or not todo:
-        return [head]
-    attrs, dt, dev = head.attrs, head.dtype, head.device
-    room = op.bucket_bytes(attrs) // dt.itemsize - math.prod(head.shape)  # elements left
-    prod = math.prod
-    i = len(todo)
-    for x in reversed(todo):
-        if not ((x.op is op and x.attrs is attrs and x.dtype is dt and x.device is dev)
-                or _alike(head, x)):
-            break
-        room -= prod(x.shape)
-        if room < 0:
-            break
-        i -= 1
-    run = [head, *todo[i:][::-1]]
-    del todo[i:]
-    return run
-
-
-def _overlap(steps: list[Step]) -> list[Step]:
-    """Split every collective (and bucket) step into a start and a wait, and move them.
-
-    A start goes right after the step that computes its last data input (order tokens do
-    not count), but never before an earlier start: starts keep their order, so each
-    communicator's transport order is still the creation order. A wait goes right before
-    the first step that reads its result, or at the end, but before the next start on the
-    same communicator: one operation in flight per communicator (the collective guard
-    settles operations one at a time; buckets give the many-at-once case one call). The
-    wait lists the same inputs as the start, so the memory plan keeps them alive while the
-    transport may still read them.
-    Positions are the original indices with fractions, so the sort is one pass.
-    """
-    if not any(s.kind in ("collective", "bucket") and s.instr.op.start is not None
-               for s in steps):
+    if not any(isinstance(s, Start) for s in steps):
         return steps
     readers: dict[int, list[int]] = {}
     for j, s in enumerate(steps):
-        data = s.ins
-        if s.kind == "collective":
-            data = s.ins[:s.instr.attrs[1]]
-        for u in data:
+        for u in _data(s):
             readers.setdefault(u, []).append(j)
     made_at: dict[int, float] = {}
     keyed: list[tuple[tuple[float, int], Step]] = []  # (position, tie-break), step
-    in_flight: dict[int, int] = {}  # communicator -> index in keyed of its last wait
+    serial: dict[int, int] = {}  # stream -> index in keyed of its last serial wait
     last_start = (-1.0, 0)
     for i, s in enumerate(steps):
-        op = s.instr.op
-        if s.kind not in ("collective", "bucket") or op.start is None:
+        if not isinstance(s, Start):
             made_at[s.out] = i
             for e in s.exports:
                 made_at[e] = i
             keyed.append(((float(i), 0), s))
             continue
-        data = s.ins if s.kind == "bucket" else s.ins[:s.instr.attrs[1]]
-        ready = max([-1.0, *(made_at.get(u, -1.0) + 0.1 for u in data)])
-        at = max((last_start[0], last_start[1] + 2), (ready, 2 * len(keyed) + 2))  # in order
+        ready = max([-1.0, *(made_at.get(u, -1.0) + 0.1 for u in _data(s))])
+        at = max((last_start[0], last_start[1] + 2), (ready, 2 * len(keyed) + 2))
         last_start = at
-        outs = s.members if s.kind == "bucket" else [s.out]
-        first = min((j for u in outs for j in readers.get(u, []) if j > i),
+        first = min((j for u in s.members for j in readers.get(u, []) if j > i),
                     default=len(steps))
-        kind = "bucket_" if s.kind == "bucket" else ""
-        start = Step(f"{kind}start", s.out, s.ins, s.instr, s.backend, owns=False,
-                     members=s.members)
-        wait = Step(f"{kind}wait", s.out, s.ins, s.instr, s.backend, owns=False,
-                    members=s.members)
-        prev = in_flight.get(id(s.instr.attrs[0]))
-        if prev is not None:  # one operation in flight per communicator: its wait goes
-            # before the next start there (the collective guard settles them one by one)
+        wait = Wait(s)
+        stream = id(s.instr.attrs.comm)
+        prev = serial.get(stream) if s.instr.op.serial else None
+        if prev is not None:  # the stream's last collective is finished before this starts
             keyed[prev] = (min(keyed[prev][0], (at[0], at[1] - 1)), keyed[prev][1])
-        keyed.append((at, start))
+        keyed.append((at, s))
         keyed.append(((first - 0.25, 1), wait))
-        in_flight[id(s.instr.attrs[0])] = len(keyed) - 1
-        for u in outs:
+        if s.instr.op.serial:
+            serial[stream] = len(keyed) - 1
+        for u in s.members:
             made_at[u] = first - 0.25
     keyed.sort(key=lambda k: k[0])
     order = [k[1] for k in keyed]
-    pos = {id(s): j for j, s in enumerate(order)}
-    waits = {s.out: pos[id(s)] for s in order if s.kind in ("wait", "bucket_wait")}
-    for s in order:
-        if s.kind in ("start", "bucket_start"):
-            s.pair = waits[s.out]
+    for j, s in enumerate(order):
+        if isinstance(s, Wait):
+            s.start.pair = j
     return order
-
-
-def _is_fill(ins: Instr) -> bool:
-    return ins.op.kind == "const" and ins.value is None
-
-
-def _compile_fused(ir: list[Instr], s: Step, donors: set[int]) -> None:
-    """Compile a fused step for its backend (donors only matter on numpy)."""
-    s.prog = prog = build_program(ir, s.members, list(s.ins), donors, set(s.exports))
-    s.exports = [v for v, _ in prog.exports]  # the program's order
-    if s.backend.kind == "cpu":
-        s.runner = NumpyFused(prog, [ir[u].shape for u in s.ins])
-        s.np_dtypes = [to_numpy(dt) for dt in prog.temps]
-    elif s.backend.kind == "cuda":
-        s.kind = "fused_cupy"
-        s.cuda_kernel = cupy_kernel(prog, ir)
-        s.out_dtypes = [s.instr.dtype, *(ir[e].dtype for e in s.exports)]
-    else:
-        s.kind = "fused_generic"
-    s.regs = [None] * prog.n_ext + [scalar_for(v, dt, s.backend) for v, dt in prog.scalars]
-    s.regs += [None] * len(prog.temps)
-
-
-def _allocs(s: Step) -> list[PoolKey]:
-    """The (elements, dtype) of each buffer step ``s`` takes from the pool, in order."""
-    if s.kind == "matmul_out":
-        return [(s.instr.size, s.instr.dtype)]
-    if s.kind == "fused" and s.runner is not None and s.prog is not None:
-        full = [(s.instr.size, s.prog.temps[t]) for t in s.runner.full_new]
-        part = math.prod(s.runner.scratch_shape)
-        return full + [(part, s.prog.temps[t]) for t in s.runner.scratch]
-    return []
 
 
 def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> None:
     """Decide donors, releases, drops and pooling (see the module docstring)."""
     n = len(ir)
     storage = list(range(n))
-    owned = [False] * n
-    donated = [ins.op.kind == "leaf" and ins.attrs == (True,) for ins in ir]  # may be written
+    owned = [False] * n  # buffers the executor allocated
     for s in steps:
         if s.instr.op.kind == "view":
             storage[s.out] = storage[s.ins[0]]
@@ -399,6 +549,8 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             owned[s.out] = True
         for e in s.exports:
             owned[e] = True
+    writable = [owned[v] or (ir[v].op.kind == "leaf" and ir[v].attrs == (True,))
+                for v in range(n)]  # and the leaves the caller donated
     pinned = [False] * n
     for o in outs:
         pinned[storage[o]] = True
@@ -410,24 +562,23 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
     for v in range(n):
         store_last[storage[v]] = max(store_last[storage[v]], last[v])
     for i, s in enumerate(steps):
-        if s.kind == "fused":
+        if isinstance(s, Fused):
             donors: set[int] = set()
             if s.backend.kind == "cpu":
                 aliases = Counter(storage[u] for u in s.ins)
-                donors = {u for u in s.ins if storage[u] == u and (owned[u] or donated[u])
-                          and not pinned[u]
+                donors = {u for u in s.ins if storage[u] == u and writable[u] and not pinned[u]
                           and store_last[u] == i and aliases[u] == 1
                           and ir[u].shape == s.instr.shape}
-            _compile_fused(ir, s, donors)
-        elif s.kind in ("collective", "start") and s.instr.op.inplace_ok and s.ins:
-            u = s.ins[0]
-            ends = s.pair if s.kind == "start" else i  # the input lives until the wait
-            s.donate = (storage[u] == u and (owned[u] or donated[u]) and not pinned[u]
-                        and store_last[u] == ends and sum(storage[x] == u for x in s.ins) == 1)
+            s.compile(ir, donors)
+        elif (isinstance(s, Start) and len(s.members) == 1 and s.instr.op.inplace_ok
+              and s.ins):
+            u = s.ins[0]  # it lives until the wait
+            s.donate = (storage[u] == u and writable[u] and not pinned[u]
+                        and store_last[u] == s.pair and sum(storage[x] == u for x in s.ins) == 1)
     # simulate the pool: a released buffer is kept only for a later allocation of its key
     remaining: dict[PoolKey, int] = {}
     for s in steps:
-        for k in _allocs(s):
+        for k in s.allocs():
             remaining[k] = remaining.get(k, 0) + 1
     pooled: dict[PoolKey, int] = {}
 
@@ -438,13 +589,13 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
         return False
 
     for i, s in enumerate(steps):
-        for k in _allocs(s):
+        for k in s.allocs():
             remaining[k] -= 1
             if pooled.get(k, 0):
                 pooled[k] -= 1
-        if s.donate:  # the collective's result takes over its input's buffer
+        if isinstance(s, Start) and s.donate:  # the result takes over its input's buffer
             store_last[s.ins[0]] = -2
-        if s.runner is not None and s.prog is not None:
+        if isinstance(s, Fused) and s.runner is not None and s.prog is not None:
             part = math.prod(s.runner.scratch_shape)
             s.scratch_pool = [keep((part, s.prog.temps[t]), s) for t in s.runner.scratch]
             if s.prog.root_temp in s.prog.donor_of:  # the output takes over the donor's buffer
@@ -458,6 +609,9 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
                     s.drop.append(u)
                 s.release.append((r, keep((ir[r].size, ir[r].dtype), s)))
                 store_last[r] = -3
-            elif last[u] == i and u not in outs and not (
-                    r == u and owned[u] and not pinned[u] and store_last[u] != -2):
-                s.drop.append(u)  # owned storages are dropped by their release instead
+            elif (last[u] == i and u not in outs and ir[u].op.kind != "leaf"
+                  and i < len(steps) - 1 and not (
+                      r == u and owned[u] and not pinned[u] and store_last[u] != -2)):
+                # a reference that goes (a leaf's buffer is its node's; after the last step
+                # the values go at once): owned storages are dropped by their release
+                s.drop.append(u)

@@ -33,16 +33,17 @@ def test_many_small_all_reduces_of_leaves_match_numpy(world: fs.World, bucket: i
     r, n = comm.rank, comm.size
     shapes = [(64,), (8, 8), (3,), (), (16, 4)] * 20
     leaves = [fs.tensor(_value(k, r, s)) for k, s in enumerate(shapes)]
-    misses = default_executor().cache.misses
+    misses = []
     for _ in range(2):  # the second step reuses the bucket buffer of the first
         ys = [comm.all_reduce(t) for t in leaves]
         fs.realize(*(ys[::-1] if r % 2 else ys))  # odd ranks realise last-first
+        misses.append(default_executor().cache.misses)
         for k, s in enumerate(shapes):
             want = sum(_value(k, q, s).astype(np.float64) for q in range(n))
             np.testing.assert_allclose(ys[k].numpy(), want, rtol=1e-5, atol=1e-5)
             assert ys[k].shape == s
         del ys
-    assert default_executor().cache.misses == misses  # no graph was planned
+    assert misses[1] == misses[0]  # the second step bound the first step's plan
     for t, (k, s) in zip(leaves, enumerate(shapes)):  # the inputs are untouched
         np.testing.assert_array_equal(t.numpy(), _value(k, r, s))
 

@@ -1,4 +1,4 @@
-"""The executor's hot path: the plan-cache key (hashed once, over part of the graph) and
+"""The executor's one path: a cached plan binds only the graph it was made for, and
 ``lower`` (its traversal order), checked against plain numpy and a reference walk."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_lower_walks_in_post_order_with_shared_nodes_once() -> None:
 
 
 def test_graphs_alike_but_for_an_op_get_their_own_plans() -> None:
-    """The key's hash covers inputs and shapes only: equal hashes, distinct plans."""
+    """Graphs alike but for an op each get their plan, and each step finds its own."""
     ex = graph.Executor()
     x = np.arange(1.0, 5.0)
     results = []
@@ -62,3 +62,33 @@ def test_graphs_alike_but_for_an_op_get_their_own_plans() -> None:
     for k in range(2):
         np.testing.assert_array_equal(results[4 * k], x + k + 3.0)
         np.testing.assert_array_equal(results[4 * k + 1], (x + k) * 3.0)
+
+
+def test_a_plan_binds_only_its_own_sharing() -> None:
+    """f(x, x) and f(x1, x2) look alike node by node; a plan made for one never runs the
+    other (the binding checks that nodes are shared exactly where they were)."""
+    ex = graph.Executor()
+    a, b = fs.tensor(np.arange(4.0)), fs.tensor(np.arange(4.0) * 10)
+    same = (a * 2.0) + (a * 2.0)
+    ex.realize([same.node])
+    np.testing.assert_array_equal(same.node.buffer, np.arange(4.0) * 4)
+    two = (a * 2.0) + (b * 2.0)
+    ex.realize([two.node])
+    np.testing.assert_array_equal(two.node.buffer, np.arange(4.0) * 22)
+    shared = a * 2.0
+    once = shared + shared
+    ex.realize([once.node])
+    np.testing.assert_array_equal(once.node.buffer, np.arange(4.0) * 4)
+    assert ex.cache.misses == 3
+
+
+def test_negative_zero_is_its_own_constant() -> None:
+    """-0.0 and 0.0 are equal as Python numbers; as constants they are two (1 / -0.0 is
+    -inf), so a plan made for one never serves the other."""
+    ex = graph.Executor()
+    x = fs.tensor(np.ones(3))
+    for sign, want in ((1.0, np.inf), (-1.0, -np.inf), (1.0, np.inf)):
+        y = x / (fs.zeros(3, dtype="float64") * sign)  # folded to a fill of +-0.0
+        with np.errstate(divide="ignore"):
+            ex.realize([y.node])
+        np.testing.assert_array_equal(y.node.buffer, np.full(3, want))

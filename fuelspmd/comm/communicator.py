@@ -69,7 +69,7 @@ class Communicator:
     """Lazy collectives over ``transport`` for tensors on ``device``; see the module docs."""
 
     def __init__(self, transport: Transport, *, device: Device | str, timeout: float = 600.0,
-                 bucket_bytes: int = 0) -> None:
+                 bucket_bytes: int = 0, record_times: bool = False) -> None:
         if not timeout > 0:
             raise ConfigError(f"Communicator(timeout={timeout}): give a positive number of "
                               "seconds, e.g. 600")
@@ -77,6 +77,8 @@ class Communicator:
             raise ConfigError(f"Communicator(bucket_bytes={bucket_bytes}): give 0 (no "
                               "bucketing) or a positive byte count, e.g. 4 << 20")
         self.bucket_bytes = int(bucket_bytes)
+        # [issued, finished] (time.perf_counter) of every transport call, with record_times
+        self.times: list[list[float]] | None = [] if record_times else None
         self.transport = transport
         self.device = canonical(as_device(device))
         self.timeout = float(timeout)

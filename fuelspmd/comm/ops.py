@@ -19,6 +19,7 @@ numpy and cupy as they are).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from itertools import groupby
 from typing import Any, NamedTuple
@@ -95,12 +96,17 @@ class Barrier(NamedTuple):
 
 
 class Pending:
-    """A started collective: ``finish()`` waits for it and returns its value (once)."""
+    """A started collective: ``finish()`` waits for it and returns its value (once).
+    Where the communicator keeps ``times``, it stamps the issue and the finish there."""
 
-    __slots__ = ("comm", "count", "make", "work")
+    __slots__ = ("comm", "count", "make", "stamp", "work")
 
     def __init__(self, comm: Any, work: Any, make: Callable[[], Any], count: int = 1) -> None:
         self.comm, self.work, self.make, self.count = comm, work, make, count
+        self.stamp: list[float] | None = None
+        if comm.times is not None:
+            self.stamp = [time.perf_counter(), math.nan]
+            comm.times.append(self.stamp)
 
     def test(self) -> bool:
         """Whether the transport operation completed (never blocks; progresses it)."""
@@ -108,6 +114,8 @@ class Pending:
 
     def finish(self) -> Any:
         self.work.wait(self.comm.timeout)
+        if self.stamp is not None:
+            self.stamp[1] = time.perf_counter()
         self.comm._issued(self.count)
         return self.make()
 

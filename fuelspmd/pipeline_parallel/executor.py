@@ -16,42 +16,34 @@ gradients from them without recomputing anything, then drops them. ``recompute=T
 saves only the stage input and runs the forward again at the backward (activation
 recomputation), which is also what a stage with collectives inside (tensor parallelism)
 needs: its backward collectives must be created at the backward, in the same order on
-every rank of its group.
+every rank of its group. (:class:`~fuelspmd.pipeline_parallel.microbatch.StepRun` holds
+that state.)
 
-Transfers. Activations and input gradients go point to point over a private channel split
-off the pipeline Communicator once (so its tags, ``Message.tag``, meet nothing else).
-They use the transport directly rather than lazy send/recv nodes because the schedule's
-discipline needs several transfers posted at once: with ``schedule.sends == "blocking"``
-the sends of an action are posted with the receives of the next one and waited for as one
-batch (Megatron's ``send_forward_recv_backward``), with ``"nonblocking"`` each send is
-posted right after its action and waited for at the end of the step. A blocking step with
-no receives waits for nothing: its sends are carried to the next step that receives (or
-the end). Waiting there only stalled the sender: MPI moves a large message only while the
-receiver is inside MPI, so the last GPipe stage sat 3-27 ms before B actions whose inputs
-were ready until the previous stage next waited. Every wait still comes at or after the
-point the blocking model puts it, with at least as much posted, so no deadlock is added.
-The receives of each step are posted one step early, and after every action the transfers
-in flight are tested (MPI progress happens only inside MPI calls, so a message that
-arrived during the action is taken in then, not at the wait; a send too large to go out
-eagerly moves on). Every wait has the Communicator's deadline. The activation shapes are
-found once, at the first step, by passing (shape, dtype) along the virtual stages.
+Transfers go through a private Communicator split off the pipeline one (so its messages
+meet nothing else): lazy ``send``/``recv`` whose tags are the schedule's (``Message.tag``,
+folded into the transport's ``tag_bound``: each pair of ranks issues its messages in the
+same order on both sides, the guard checks it, so two messages that fold to one tag still
+meet in order). The receives of each step are posted one step early (``Communicator.post``)
+and the sends right after their action: with ``schedule.sends == "blocking"`` a step's
+receives are waited for together with the sends still in flight (Megatron's
+``send_forward_recv_backward``; a step with no receives carries the sends on, since waiting
+there would only stall the sender until the receiver next enters MPI), with
+``"nonblocking"`` every send is waited for at the end of the step. Every wait has the
+Communicator's deadline; after every action the transfers in flight are polled (MPI
+progresses only inside MPI calls). The activation shapes are found once, at the first
+step, by passing (shape, dtype) along the virtual stages.
 
-The state of one step (saved activations, the backward, accumulation) is
-:class:`~fuelspmd.pipeline_parallel.microbatch.StepRun`.
+Data parallelism. With ``dp``, each gradient's average over it is an all_reduce in the
+graph of its chunk's last backward, on a communicator that buckets (``bucket_bytes``):
+the planner's one bucket rule packs them, and starts each bucket as soon as its last
+gradient is computed, so it travels while the rest of the backward runs.
 
-Data parallelism. With ``dp``, each chunk's gradients are averaged over it in buckets
-whose all-reduces start inside the chunk's last backward, as soon as the bucket's
-gradients are final (:mod:`~fuelspmd.pipeline_parallel.buckets`); only the loss is
-averaged after the step.
-
-Timing. After a barrier on the channel, each action's compute (receives done, sends not
-started) is timed with ``time.perf_counter``; :meth:`timeline` gathers every rank's times
-into a :class:`~fuelspmd.pipeline_parallel.simulate.Timeline` (``Timeline.measured``), which
-:func:`~fuelspmd.pipeline_parallel.render.chrome_trace` turns into a Chrome trace. When every
+Timing. After a barrier, each action's compute (receives done, sends not started) is timed
+with ``time.perf_counter``; :meth:`timeline` gathers every rank's times into a
+:class:`~fuelspmd.pipeline_parallel.simulate.Timeline` (``Timeline.measured``). When every
 rank runs on one machine (same host name, checked at construction), the times are placed on
-that machine's one monotonic clock, so ranks leaving the barrier at different moments (ms
-apart on a loaded machine) do not shift them against each other; across machines each
-rank's times count from its own barrier exit.
+that machine's one monotonic clock; across machines each rank's times count from its own
+barrier exit.
 """
 
 from __future__ import annotations
@@ -59,28 +51,31 @@ from __future__ import annotations
 import socket
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.backend import get_backend, to_host
 from fuelspmd.comm import Communicator
 from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
-from fuelspmd.pipeline_parallel.actions import Schedule
-from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, GradReducer, check_bucket_bytes
-from fuelspmd.pipeline_parallel.microbatch import StepResult, StepRun
+from fuelspmd.pipeline_parallel.actions import Message, Schedule
+from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
+from fuelspmd.pipeline_parallel.microbatch import (
+    Key,
+    LossFn,
+    StageFn,
+    StepResult,
+    StepRun,
+)
 from fuelspmd.pipeline_parallel.simulate import Timeline
 from fuelspmd.pipeline_parallel.validate import validate
-from fuelspmd.tensor import Tensor, tensor, zeros
-from fuelspmd.transport import Work
+from fuelspmd.tensor import Tensor, realize, tensor, zeros
+from fuelspmd.transport import agree
 
 __all__ = ["PipelineExecutor", "StepResult"]
 
-StageFn = Callable[[Sequence[Tensor], Tensor], Tensor]
-LossFn = Callable[[Tensor, Tensor], Tensor]
 _META = 32  # int64 words of a shape message: ndim, up to 15 dims, dtype name
 
 
@@ -89,9 +84,9 @@ class PipelineExecutor:
 
     ``stages[j]`` and ``params[j]`` are chunk ``j`` of this rank (``schedule.chunks`` of
     each), parameters in forward order. With ``dp`` (size > 1) the gradients are averaged
-    over it in buckets of at most ``bucket_bytes`` started inside each chunk's last
-    backward (:mod:`~fuelspmd.pipeline_parallel.buckets`). Collective: every rank of
-    ``comm`` (and of ``dp``) constructs its executor at the same point.
+    over it in buckets of at most ``bucket_bytes``, started inside each chunk's last
+    backward. Collective: every rank of ``comm`` (and of ``dp``) constructs its executor
+    at the same point, with the same schedule.
     """
 
     def __init__(self, schedule: Schedule, *, comm: Communicator, stages: Sequence[StageFn],
@@ -117,16 +112,21 @@ class PipelineExecutor:
         self.recompute = bool(recompute)
         self.stages = list(stages)
         self.params: list[list[Tensor]] = [[self._leaf(p) for p in ps] for ps in params]
-        self._backend = get_backend(comm.device.kind)
-        self._p2p = comm.split(0, comm.rank).transport  # collective: a private channel
-        host = np.array([zlib.crc32(socket.gethostname().encode())], np.int64)
-        hosts = np.zeros(comm.size, np.int64)
-        self._wait([self._p2p.all_gather(host, hosts)])
+        self._p2p = comm.split(0, comm.rank)  # collective: a private channel
+        agree(self._p2p.transport, "PipelineExecutor", timeout=comm.timeout,
+              schedule=(schedule.kind, schedule.stages, schedule.microbatches,
+                        schedule.chunks, schedule.sends), recompute=self.recompute)
+        host = zlib.crc32(socket.gethostname().encode())
+        hosts = self._p2p.all_gather(tensor(np.array([host], np.int64),
+                                            device=comm.device)).numpy()
         self._one_clock = bool((hosts == hosts[0]).all())  # perf_counter: one per machine
         self._t0 = 0.0
-        self._reducer = (GradReducer(dp, self.params, bucket_bytes=bucket_bytes)
-                         if dp is not None and dp.size > 1 else None)
+        self._dp = (Communicator(dp.split(0, dp.rank).transport, device=dp.device,
+                                 timeout=dp.timeout, bucket_bytes=bucket_bytes,
+                                 record_times=True)
+                    if dp is not None and dp.size > 1 else None)
         self._steps = schedule.steps(comm.rank)
+        self._bound = self._p2p.transport.tag_bound + 1
         self._io: list[tuple[Shape, DType] | None] | None = None  # (shape, dtype) of each
         # virtual stage's input as far as this rank needs to know it (found at step 1)
         self._last: StepResult | None = None
@@ -139,31 +139,17 @@ class PipelineExecutor:
                               f"pipeline runs on {self.comm.device}; move it with .to()")
         return t.realize()
 
-    def _wait(self, works: list[Work]) -> None:
-        for w in works:
-            w.wait(self.comm.timeout)
-
-    def _outgoing(self, arr: Any) -> Any:
-        """A buffer the transport can send (strict arrays are staged through the host)."""
-        return np.ascontiguousarray(to_host(arr)) if self.comm.device.kind == "strict" else arr
-
-    def _incoming(self, shape: Shape, dt: DType) -> Any:
-        if self.comm.device.kind == "cuda":
-            return self._backend.empty(shape, dt)
-        return np.empty(shape, np.dtype(dt.name))
-
-    def _on_device(self, buf: Any) -> Any:
-        return self._backend.asarray(buf) if self.comm.device.kind == "strict" else buf
+    def _tag(self, msg: Message) -> int:
+        return msg.tag % self._bound
 
     # ---- shapes -----------------------------------------------------------------------
     def _discover(self, x0: Tensor | None) -> list[tuple[Shape, DType] | None]:
         """Pass (shape, dtype) of each virtual stage's input along the pipeline, building
         each stage lazily on a constant (shape rules only, nothing runs)."""
-        s, rank = self.schedule, self.comm.rank
+        s, rank, p2p = self.schedule, self.comm.rank, self._p2p
         V, base = s.virtual_stages, 2 * s.virtual_stages * s.microbatches
         io: list[tuple[Shape, DType] | None] = [None] * (V + 1)
-        sends: list[Work] = []
-        keep: list[np.ndarray] = []
+        sends = []
         for v in range(V):
             if s.rank_of(v) != rank:
                 continue
@@ -171,17 +157,17 @@ class PipelineExecutor:
                 assert x0 is not None
                 io[0] = (x0.shape, x0.dtype)
             elif io[v] is None:
-                meta = np.zeros(_META, np.int64)
-                self._wait([self._p2p.recv(meta, s.rank_of(v - 1), base + v)])
-                io[v] = _decode(meta)
+                meta = p2p.recv((_META,), "int64", s.rank_of(v - 1), tag=(base + v) % self._bound)
+                io[v] = _decode(meta.numpy())
             shape, dt = io[v]  # type: ignore[misc]
             y = self.stages[v // s.stages](self.params[v // s.stages],
                                            zeros(shape, device=self.comm.device, dtype=dt))
             io[v + 1] = (y.shape, y.dtype)
             if v + 1 < V and s.rank_of(v + 1) != rank:
-                keep.append(_encode(y.shape, y.dtype))
-                sends.append(self._p2p.send(keep[-1], s.rank_of(v + 1), base + v + 1))
-        self._wait(sends)
+                sends.append(p2p.send(tensor(_encode(y.shape, y.dtype), device=p2p.device),
+                                      s.rank_of(v + 1), tag=(base + v + 1) % self._bound))
+                p2p.post(sends[-1])
+        realize(*sends)
         return io
 
     def _boundary(self, index: int) -> tuple[Shape, DType]:
@@ -202,7 +188,7 @@ class PipelineExecutor:
         ``inputs`` (one per micro-batch) are needed on the rank of virtual stage 0,
         ``targets`` on the rank of the last virtual stage; other ranks may pass None.
         """
-        s, rank = self.schedule, self.comm.rank
+        s, rank, p2p = self.schedule, self.comm.rank, self._p2p
         V = s.virtual_stages
         xs = self._batch("inputs", inputs) if rank == s.rank_of(0) else None
         ts = self._batch("targets", targets) if rank == s.rank_of(V - 1) else None
@@ -213,54 +199,74 @@ class PipelineExecutor:
             raise ShapeError(f"PipelineExecutor.step: micro-batch input {xs[0].shape} "
                              f"{xs[0].dtype}, but the first step had {shape} {dt}; keep "
                              "the micro-batch shape fixed")
-        run = StepRun(self, xs, ts)
-        if self._reducer is not None:
-            self._reducer.new_step()
-        self._wait([self._p2p.barrier()])
-        t0 = run.t0 = self._t0 = time.perf_counter()
+        if self._dp is not None:
+            self._dp.times = []
+        run = StepRun(s, self.stages, self.params, self.loss, recompute=self.recompute,
+                      dp=self._dp, xs=xs, ts=ts)
+        p2p.barrier()
+        t0 = self._t0 = time.perf_counter()
+        times: dict[Any, tuple[float, float]] = {}
         blocking = s.sends == "blocking"
-        pending: list[Work] = []
-        posted = self._post(run, 0)
+        values: dict[Key, Tensor] = {}  # received or made here, not yet used
+        sent: list[Tensor] = []  # send tokens in flight
+        posted = self._post(0)
         for k, st in enumerate(self._steps):
-            works = posted
             if blocking and st.recvs:  # a step without receives carries the sends on
-                works, pending = pending + works, []
-            self._wait(works)
+                realize(*sent, *posted.values())
+                sent = []
+            else:
+                realize(*posted.values())
+            values.update(posted)
             start = time.perf_counter()
-            out = run.action(st.action)
-            run.times[st.action] = (start - t0, time.perf_counter() - t0)
+            out = run.action(st.action, {key: values.pop(key) for key in _needs(s, st)
+                                         if key in values})
+            times[st.action] = (start - t0, time.perf_counter() - t0)
             for msg in st.sends:
-                buf = self._outgoing(out.pop((msg.what, msg.vstage, msg.microbatch)))
-                pending.append(self._p2p.send(buf, msg.dst, msg.tag))
-            run.outbox.update(out)  # for a stage on this rank
-            posted = self._post(run, k + 1)
-            for w in (*pending, *posted):  # progress: a transfer moves only inside MPI
-                w.test()
-        self._wait(pending)
-        if run.saved or run.inbox or run.outbox:
+                tok = p2p.send(out.pop((msg.what, msg.vstage, msg.microbatch)), msg.dst,
+                               tag=self._tag(msg))
+                p2p.post(tok)
+                sent.append(tok)
+            values.update(out)  # for a stage on this rank
+            posted = self._post(k + 1)
+            p2p.poll()  # progress: a transfer moves only inside MPI
+        realize(*sent)
+        if run.saved or values:
             raise RuntimeError(f"pipeline step left {len(run.saved)} saved activations and "
-                               f"{len(run.inbox) + len(run.outbox)} transfers unused")
-        self._last = run.finish()
+                               f"{len(values)} transfers unused")
+        self._last = run.finish(t0)  # the dp stamps, before the loss's own dp call
+        self._last.loss = self._share_loss(run)
+        self._last.times = times
         return self._last
 
-    def _post(self, run: StepRun, k: int) -> list[Work]:
-        """Post the receives of step ``k`` (none past the end) into ``run.inbox``.
+    def _post(self, k: int) -> dict[Key, Tensor]:
+        """Post the receives of step ``k`` (none past the end), by key.
 
-        They are posted one step early, right after step ``k - 1``'s action, with its
-        sends (Megatron's batched isend/irecv): a message that arrives while this rank
-        computes is then matched at the next progress call rather than at the wait. One
-        step's receive buffers more are alive at a time; what is waited for, and when, is
-        unchanged, so the schedule's deadlock proof still holds.
+        They are posted one step early, right after step ``k - 1``'s action, with its sends
+        (Megatron's batched isend/irecv): a message that arrives while this rank computes
+        is then matched at the next poll rather than at the wait. What is waited for, and
+        when, is unchanged, so the schedule's deadlock proof still holds.
         """
         if k >= len(self._steps):
-            return []
-        works = []
+            return {}
+        out = {}
         for msg in self._steps[k].recvs:
             shape, dt = self._boundary(msg.vstage + (msg.what == "act"))
-            buf = self._incoming(shape, dt)
-            run.inbox[(msg.what, msg.vstage, msg.microbatch)] = buf
-            works.append(self._p2p.recv(buf, msg.src, msg.tag))
-        return works
+            t = self._p2p.recv(shape, dt, msg.src, tag=self._tag(msg))
+            self._p2p.post(t)
+            out[(msg.what, msg.vstage, msg.microbatch)] = t
+        return out
+
+    def _share_loss(self, run: StepRun) -> float:
+        """The mean loss of the step, from the last stage to every rank (and over dp)."""
+        s = self.schedule
+        total = np.zeros(1, np.float64)
+        if run.losses:
+            total[0] = sum(float(t.item()) for t in run.losses) / s.microbatches
+        shared = self._p2p.broadcast(tensor(total, device=self._p2p.device),
+                                     s.rank_of(s.virtual_stages - 1))
+        if self._dp is not None:
+            shared = self._dp.all_reduce(shared, "avg")
+        return float(shared.numpy()[0])
 
     def _batch(self, name: str, items: Sequence[Any] | None) -> list[Tensor]:
         m = self.schedule.microbatches
@@ -282,13 +288,17 @@ class PipelineExecutor:
             mine[k] = self._last.times[a]
         if self._one_clock:  # the machine's clock: no skew from leaving the barrier
             mine += self._t0
-        every = np.zeros((s.stages, n, 2), np.float64)
-        self._wait([self._p2p.all_gather(mine, every)])
+        every = self._p2p.all_gather(tensor(mine[None], device=self._p2p.device)).numpy()
         start = {a: float(every[r, k, 0]) for r, acts in enumerate(s.actions)
                  for k, a in enumerate(acts)}
         end = {a: float(every[r, k, 1]) for r, acts in enumerate(s.actions)
                for k, a in enumerate(acts)}
         return Timeline.measured(s, start, end)
+
+
+def _needs(s: Schedule, st: Any) -> list[Key]:
+    """The transferred values an action reads (received, or made on this rank)."""
+    return [key for key in s.needs(st.action) if key[0] in ("act", "grad")]
 
 
 def _encode(shape: Shape, dt: DType) -> np.ndarray:

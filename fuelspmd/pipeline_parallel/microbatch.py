@@ -1,30 +1,31 @@
-"""One step of :class:`~fuelspmd.pipeline_parallel.executor.PipelineExecutor` on one rank:
-each micro-batch's forward, saved activations, backward and gradient accumulation.
+"""One step of a pipeline on one rank: each micro-batch's forward, saved activations,
+backward and gradient accumulation (the transfers and the schedule walk are the
+executor's; see :mod:`fuelspmd.pipeline_parallel.executor` for the rules implemented here).
 
-Layer 7; split from ``executor.py``, which owns the transfers and the schedule walk (see its
-module docs for the saved-activation and recompute rules this implements).
+Layer 7; imports nothing of the executor: a :class:`StepRun` gets the stages, their
+parameters and the data-parallel communicator it needs, and values as tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from fuelspmd.autograd import grad, vjp
+from fuelspmd.backend import get_backend
 from fuelspmd.errors import ConfigError, ShapeError
-from fuelspmd.graph.node import Node, leaf, mark_realised
-from fuelspmd.pipeline_parallel.actions import Action
+from fuelspmd.graph.node import Node, leaf
+from fuelspmd.pipeline_parallel.actions import Action, Schedule
 from fuelspmd.tensor import Tensor, realize
-
-if TYPE_CHECKING:
-    from fuelspmd.pipeline_parallel.executor import PipelineExecutor
 
 __all__ = ["Key", "StepResult", "StepRun"]
 
 Key = tuple[str, int, int]
+StageFn = Callable[[Sequence[Tensor], Tensor], Tensor]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
 
 @dataclass
 class StepResult:
@@ -34,8 +35,8 @@ class StepResult:
     ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised.
     ``times[a]``: (start, end) of action ``a``'s compute, seconds after the step's barrier.
     ``peak_saved_bytes``: the most bytes of saved activations this rank held at once.
-    ``reduces``: ``(chunk, bucket, issued, done)`` of each dp gradient all-reduce, seconds
-    after the step's barrier (empty without ``dp``); ``done`` is when its wait returned.
+    ``reduces``: ``(chunk, call, issued, done)`` of each dp gradient all-reduce call (a
+    bucket is one call), seconds after the step's barrier (empty without ``dp``).
     """
 
     loss: float
@@ -56,34 +57,37 @@ class _Saved:
 
 
 class StepRun:
-    """The state of one step on one rank: saved activations, gradients, transfers."""
+    """The state of one step on one rank: saved activations and accumulated gradients.
 
-    def __init__(self, ex: PipelineExecutor, xs: list[Tensor] | None,
-                 ts: list[Tensor] | None) -> None:
-        self.ex, self.xs, self.ts = ex, xs, ts
+    ``stages[j]``/``params[j]`` are chunk ``j`` of this rank; ``xs``/``ts`` the micro-batch
+    inputs (rank of virtual stage 0) and targets (rank of the last one). With ``dp``, the
+    chunk's gradients are averaged over it as its last micro-batch accumulates them: one
+    all_reduce per gradient, last parameter first, in that action's graph, so the planner
+    buckets them (``dp.bucket_bytes``) and starts each as soon as it is ready.
+    """
+
+    def __init__(self, schedule: Schedule, stages: Sequence[StageFn],
+                 params: Sequence[Sequence[Tensor]], loss: LossFn, *, recompute: bool,
+                 dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None) -> None:
+        self.schedule, self.stages, self.params, self.loss = schedule, stages, params, loss
+        self.recompute, self.dp, self.xs, self.ts = recompute, dp, xs, ts
         self.saved: dict[tuple[int, int], _Saved] = {}
-        self.inbox: dict[Key, Any] = {}   # received, not yet used
-        self.outbox: dict[Key, Any] = {}  # made here for a stage on this rank
-        self.acc: list[list[Tensor] | None] = [None] * ex.schedule.chunks
-        self.count = [0] * ex.schedule.chunks  # micro-batches accumulated per chunk
-        self.t0 = 0.0
+        self.acc: list[list[Tensor] | None] = [None] * schedule.chunks
+        self.count = [0] * schedule.chunks  # micro-batches accumulated per chunk
+        self.reduced: list[tuple[int, int]] = []  # (chunk, first dp time index) per chunk
         self.losses: list[Tensor] = []
-        self.times: dict[Action, tuple[float, float]] = {}
         self.live = self.peak = 0
 
-    def _take(self, key: Key) -> Any:
-        box = self.inbox if key in self.inbox else self.outbox
-        return self.ex._on_device(box.pop(key))
-
-    def action(self, a: Action) -> dict[Key, Any]:
-        """Run ``a``; return what it made for other stages, by key."""
-        s = self.ex.schedule
+    def action(self, a: Action, inputs: dict[Key, Tensor]) -> dict[Key, Tensor]:
+        """Run ``a`` on the values it needs (``inputs``, by key); return what it made for
+        other stages, realised, by key."""
+        s = self.schedule
         v, i = s.vstage(a), a.microbatch
         if a.kind == "F":
-            return self._forward(v, i, a.chunk)
+            return self._forward(v, i, a.chunk, inputs.get(("act", v - 1, i)))
         sv = self.saved[(v, i)]
         if a.kind in ("B", "I"):
-            self._complete(v, i, a.chunk, sv)
+            self._complete(v, i, a.chunk, sv, inputs.get(("grad", v + 1, i)))
         assert sv.grads is not None
         gx = sv.grads[0] if v else None
         weights = sv.grads[1:] if v else sv.grads
@@ -97,22 +101,23 @@ class StepRun:
             self.live -= sv.nbytes
             del self.saved[(v, i)]
         if gx is not None and a.kind in ("B", "I"):
-            return {("grad", v, i): gx.node.buffer}
+            return {("grad", v, i): gx}
         return {}
 
-    def _forward(self, v: int, i: int, chunk: int) -> dict[Key, Any]:
-        ex, s = self.ex, self.ex.schedule
-        assert self.xs is not None or v > 0
-        x = self.xs[i] if self.xs is not None and v == 0 else Tensor(
-            leaf(self._take(("act", v - 1, i)), ex.comm.device))
-        fn, ps = ex.stages[chunk], ex.params[chunk]
+    def _forward(self, v: int, i: int, chunk: int, x: Tensor | None) -> dict[Key, Tensor]:
+        s = self.schedule
+        if v == 0:
+            assert self.xs is not None
+            x = self.xs[i]
+        assert x is not None
+        x = x.realize()
+        y = self.stages[chunk](self.params[chunk], x)
         last = v == s.virtual_stages - 1
-        y = fn(ps, x)
         out = self._loss(y, i) if last else y
         if last:
             self.losses.append(out)
         sv = _Saved(x, None, None, _nbytes(x.node) if v else 0)
-        if ex.recompute:
+        if self.recompute:
             realize(out)
         else:
             forward = _unrealised([out.node])
@@ -130,11 +135,11 @@ class StepRun:
         self.saved[(v, i)] = sv
         self.live += sv.nbytes
         self.peak = max(self.peak, self.live)
-        return {} if last else {("act", v, i): y.node.buffer}
+        return {} if last else {("act", v, i): y}
 
     def _loss(self, y: Tensor, i: int) -> Tensor:
         assert self.ts is not None
-        out = self.ex.loss(y, self.ts[i])
+        out = self.loss(y, self.ts[i])
         if out.shape != ():
             raise ShapeError(f"PipelineExecutor: loss gave shape {out.shape}; it must "
                              "return a scalar (reduce with .mean() or .sum())")
@@ -145,63 +150,66 @@ class StepRun:
         """Build the lazy backward of one micro-batch on virtual stage ``v``: gradients of
         ``loss / m`` on the last stage, else the vjp with cotangent ``ct`` (a leaf to be
         filled at the backward when not given)."""
-        ex = self.ex
-        chunk = v // ex.schedule.stages
-        wrt = ([sv.x] if v else []) + list(ex.params[chunk])
+        chunk = v // self.schedule.stages
+        wrt = ([sv.x] if v else []) + list(self.params[chunk])
         if loss is not None:
-            sv.grads = grad(loss * (1.0 / ex.schedule.microbatches), wrt)
+            sv.grads = grad(loss * (1.0 / self.schedule.microbatches), wrt)
             return
-        if ct is None:
-            ct = sv.ct = leaf(ex._backend.empty(y.shape, y.dtype), ex.comm.device)
+        if ct is None:  # a placeholder of the cotangent, given its buffer at the backward
+            ct = sv.ct = leaf(_empty_like(y), y.device)
         sv.grads = vjp(y, wrt, Tensor(ct))
 
-    def _complete(self, v: int, i: int, chunk: int, sv: _Saved) -> None:
+    def _complete(self, v: int, i: int, chunk: int, sv: _Saved, g: Tensor | None) -> None:
         """Make the backward of ``(v, i)`` runnable: fill the cotangent leaf built at the
-        forward, or (recompute) run the forward again and build the backward now."""
-        last = v == self.ex.schedule.virtual_stages - 1
+        forward with ``g`` (the gradient of ``v + 1``), or (recompute) run the forward
+        again and build the backward now."""
+        last = v == self.schedule.virtual_stages - 1
         if sv.grads is not None:
             if sv.ct is not None:
-                mark_realised(sv.ct, self._take(("grad", v + 1, i)))
+                assert g is not None
+                sv.ct.buffer = g.realize().node.buffer
                 sv.ct = None
             return
-        y = self.ex.stages[chunk](self.ex.params[chunk], sv.x)
+        y = self.stages[chunk](self.params[chunk], sv.x)
         if last:
             self._build(v, sv, y, self._loss(y, i))
         else:
-            self._build(v, sv, y, None,
-                        leaf(self._take(("grad", v + 1, i)), self.ex.comm.device))
+            assert g is not None
+            self._build(v, sv, y, None, g.realize().node)
 
     def _accumulate(self, chunk: int, grads: Sequence[Tensor], *more: Tensor) -> None:
         """Add one micro-batch's weight gradients (realising ``more`` with them); at the
-        chunk's last micro-batch, start the dp bucket all-reduces in the same graph."""
+        chunk's last micro-batch, average them over dp in the same graph."""
         prev = self.acc[chunk]
         new = list(grads) if prev is None else [a + g for a, g in zip(prev, grads)]
         self.count[chunk] += 1
-        red = self.ex._reducer
-        if red is None or self.count[chunk] < self.ex.schedule.microbatches:
+        dp = self.dp
+        if dp is not None and self.count[chunk] == self.schedule.microbatches:
+            first = len(dp.times)
+            new = [dp.all_reduce(g, "avg") for g in reversed(new)][::-1]
             realize(*more, *new)
-            self.acc[chunk] = new
-            return
-        flats = red.start(chunk, new)
-        realize(*flats, *more)  # buckets first: see buckets.py on the order
-        self.acc[chunk] = red.unpack(chunk, flats, new)
+            self.reduced.append((chunk, first))
+        else:
+            realize(*more, *new)
+        self.acc[chunk] = new
 
-    def finish(self) -> StepResult:
-        """Share the loss over the pipeline, average over dp, and package the result."""
-        ex, s = self.ex, self.ex.schedule
-        total = np.zeros(1, np.float64)
-        if self.losses:
-            total[0] = sum(float(t.item()) for t in self.losses) / s.microbatches
-        ex._wait([ex._p2p.broadcast(total, s.rank_of(s.virtual_stages - 1))])
+    def finish(self, t0: float) -> StepResult:
+        """Package the step's gradients and dp stamps (the loss is the executor's to share)."""
         grads = [list(g) if g is not None else [] for g in self.acc]
-        loss, reduces = float(total[0]), []
-        if ex._reducer is not None:
-            if any(c != s.microbatches for c in self.count):
+        reduces: list[tuple[int, int, float, float]] = []
+        if self.dp is not None:
+            if any(c != self.schedule.microbatches for c in self.count):
                 raise RuntimeError(f"pipeline step accumulated {self.count} micro-batches "
-                                   f"per chunk, not {s.microbatches}: buckets not reduced")
-            reduces = ex._reducer.stamps(self.t0)
-            loss = ex._reducer.average(total)
-        return StepResult(loss, grads, self.times, self.peak, reduces)
+                                   f"per chunk, not {self.schedule.microbatches}")
+            ends = [f for _, f in self.reduced[1:]] + [len(self.dp.times)]
+            for (chunk, first), end in zip(self.reduced, ends):
+                for b, (issued, done) in enumerate(self.dp.times[first:end]):
+                    reduces.append((chunk, b, issued - t0, done - t0))
+        return StepResult(math.nan, grads, {}, self.peak, reduces)
+
+
+def _empty_like(y: Tensor) -> Any:
+    return get_backend(y.device.kind).empty(y.shape, y.dtype)
 
 
 def _unrealised(outs: Any) -> dict[int, Node]:
@@ -236,4 +244,4 @@ def _residuals(forward: dict[int, Node], backward: list[Node]) -> list[Node]:
 
 
 def _nbytes(n: Node) -> int:
-    return int(getattr(n.buffer, "nbytes", 0) or 0)
+    return 0 if n.buffer is None else math.prod(n.shape) * n.dtype.itemsize

@@ -40,11 +40,14 @@ class Job:
     seconds: float
 
 
-def run_job(cmd: list[str], *, deadline: float, env: dict[str, str] | None = None) -> Job:
-    """Run ``cmd`` in its own process group; fail the test if it outlives ``deadline`` s."""
+def run_job(cmd: list[str], *, deadline: float, env: dict[str, str] | None = None,
+            cwd: Path | str | None = None) -> Job:
+    """Run ``cmd`` (in ``cwd``) in its own process group; fail the test if it outlives
+    ``deadline`` s."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env() if env is None else env, start_new_session=True)
+                            env=clean_env() if env is None else env, start_new_session=True,
+                            cwd=cwd)
     try:
         out, err = proc.communicate(timeout=deadline)
     except subprocess.TimeoutExpired:

@@ -9,10 +9,10 @@ transport call and starts each bucket as soon as its last gradient is computed, 
 ``k`` travels while bucket ``k + 1``'s gradients (and the input gradient) are computed.
 
 Why ``DP_BUCKET_BYTES = 1 MiB`` rather than DDP's 25 MiB: DDP's size fits GPUs, where
-25 MiB is a fraction of a millisecond at NCCL bandwidths. Over host shared memory
-(``notes/measured.md``) 1 MiB already costs several times the fixed cost of one lazy
-collective, and it still cuts a few-MiB stage into several buckets that can overlap its
-backward.
+25 MiB is a fraction of a millisecond at NCCL bandwidths. Over host shared memory, at a
+few GB/s, 1 MiB already costs several times the fixed cost of one lazy collective (tens
+of microseconds of Python and latency), and it still cuts a few-MiB stage into several
+buckets that can overlap its backward.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,8 +120,28 @@ def matrix(out: str, rounds: int) -> None:
         t.finalize()
 
 
+def _example_then_meet() -> None:
+    """Run the example; on its error print the traceback, then wait (10 s at most) until
+    every rank has printed before exiting 1: mpiexec kills the other ranks as soon as one
+    exits non-zero, which could cut a slower rank's traceback short."""
+    try:
+        example()
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        Path(f"printed.{world.Get_rank()}").touch()
+        deadline = time.monotonic() + 10
+        while (len(list(Path().glob("printed.*"))) < world.Get_size()
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "example":
-        example()
+        _example_then_meet()
     else:
         matrix(sys.argv[2], int(sys.argv[3]))

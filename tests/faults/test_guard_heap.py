@@ -33,14 +33,18 @@ def _no_heap_abort(text: str) -> None:
 
 def test_the_documented_example_raises_everywhere_and_corrupts_nothing(tmp_path: Path) -> None:
     for i in range(RUNS):
+        cwd = tmp_path / f"run{i}"
+        cwd.mkdir()
         job = run_job(mpiexec(4, sys.executable, str(JOB), "example"), deadline=60,
-                      env=clean_env(**HEAP))
+                      env=clean_env(**HEAP), cwd=cwd)
         _no_heap_abort(job.out + job.err)
         assert job.code not in (-signal.SIGABRT, 128 + signal.SIGABRT, 134), job.err[-3000:]
         assert job.code != 0, "the example's mismatch must end the job"
         raised = job.err.count("fuelspmd.errors.CollectiveMismatchError: collective mismatch")
         assert raised == 4, f"run {i}: {raised} of 4 ranks raised\n{job.err[-3000:]}"
         assert "differing fields ['dtype']" in job.err
+        assert sorted(p.name for p in (cwd / "trace").iterdir()) == [
+            f"rank{r}.json" for r in range(4)]  # the flight recorder's dumps
 
 
 def test_the_mismatch_matrix_raises_everywhere_and_corrupts_nothing(tmp_path: Path) -> None:

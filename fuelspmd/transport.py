@@ -92,6 +92,7 @@ __all__ = [
     "agree",
     "check_buffers",
     "check_peer",
+    "digest62",
     "disagreement",
     "find_transports",
     "load_plugin",
@@ -304,11 +305,10 @@ AGREE_FIELDS = 15  # fields one agree() compares at most (its record has a fixed
 _SHOWN = 64  # bytes of each field's value that an agree() mismatch message shows
 
 
-def _digest(text: str) -> int:
-    """62 bits of ``text``, alike on every rank (CRC-32 and Adler-32, not the per-process
+def digest62(data: bytes) -> int:
+    """62 bits of ``data``, alike on every rank (CRC-32 and Adler-32, not the per-process
     salted ``hash``)."""
-    b = text.encode()
-    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
+    return (zlib.crc32(data) << 30) ^ zlib.adler32(data)
 
 
 def disagreement(what: str, rows: list[dict[str, Any]], labels: list[str] | None = None
@@ -344,7 +344,7 @@ def agree(t: Transport, what: str, *, timeout: float | None = None, **fields: An
     names = sorted(fields)
     texts = [",".join(names), *(repr(fields[k]) for k in names)]
     mine = np.full(1 + AGREE_FIELDS, -1, np.int64)
-    mine[:len(texts)] = [_digest(x) for x in texts]
+    mine[:len(texts)] = [digest62(x.encode()) for x in texts]
     every = np.empty(t.size * mine.size, np.int64)
     try:
         t.all_gather(mine, every).wait(timeout)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuelspmd.transport import digest62
+
 __all__ = ["FIELDS", "FP_LEN", "OPS", "Fingerprint", "describe", "diff", "digest", "group_id",
            "render"]
 
@@ -69,8 +71,7 @@ def group_id(members: Iterable[int], color: int = 0) -> int:
 def digest(encoded: np.ndarray) -> int:
     """62 bits of what two agreeing collectives share (the encoding before ``CSEQ``),
     alike on every rank (CRC-32 and Adler-32, not Python's per-process salted ``hash``)."""
-    b = encoded[:CSEQ].tobytes()
-    return (zlib.crc32(b) << 30) ^ zlib.adler32(b)
+    return digest62(encoded[:CSEQ].tobytes())
 
 
 @dataclass(slots=True)

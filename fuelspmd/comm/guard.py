@@ -137,10 +137,11 @@ class Guard:
         self._desc_n = [0] * n  # send fingerprints received from each peer
         self._outbox: list[Work] = []
         self._notes: list[np.ndarray | None] = [None] * n  # each peer's last wait note
-        self._cur: tuple[np.ndarray, int, int, int] | None = None  # what this rank waits in
+        self._read_at = 0.0  # when begin() next reads the notes (time.monotonic)
+        # what this rank is in: (template, seq, cseq, k, recorder ticket or -1, fingerprint
+        # to record on a failure when not recorded yet)
+        self._cur: tuple[np.ndarray, int, int, int, int, Fingerprint | None] | None = None
         self._announced = False
-        self._rec = -1  # the recorder ticket of that operation
-        self._pending: tuple[Fingerprint, int, int] | None = None  # or what to record
         self.dumped = False  # whether dump() wrote this rank's recorder out
         self.failed: str | None = None
         self._failed_kind: type[Exception] = CollectiveMismatchError
@@ -163,18 +164,12 @@ class Guard:
     def begin(self, template: np.ndarray, seq: int, cseq: int, k: int = 0,
               rec: int = -1, fp: Fingerprint | None = None) -> None:
         """Mark the operation this rank is now in (its notes name it; a failure marks its
-        record ``rec``, or records ``fp`` first) and read the notes that have come: an
-        abort raises here, at the next guarded operation."""
-        self._cur, self._announced, self._rec = (template, seq, cseq, k), False, rec
-        self._pending = None if fp is None else (fp, seq, cseq)
-        if self._probe is not None:
+        record ``rec``, or records ``fp`` first) and, once per ``WATCH_S``, read the notes
+        that have come: an abort raises here (or in the next wait longer than a slice; a
+        rank that failed joins no further operation, so one comes)."""
+        self._cur, self._announced = (template, seq, cseq, k, rec, fp), False
+        if self._probe is not None and time.monotonic() > self._read_at:
             self._read_notes()
-
-    def words(self, check: Check, cseq: int) -> Check:
-        """``check`` with this operation's words: its digest (set once), cseq, the fence."""
-        w = check.words
-        w[1], w[2] = cseq, self.fence
-        return check
 
     def check_for(self, encoded: np.ndarray) -> Check:
         """A Check for operations of this encoded fingerprint (cseq and fence set per call)."""
@@ -237,7 +232,7 @@ class Guard:
 
     def settle(self, rec: int) -> None:
         """The operation this rank waited in completed."""
-        self._cur, self._rec, self._pending = None, -1, None
+        self._cur = None
         if rec >= 0 and self.recorder is not None:
             self.recorder.mark(rec, "completed")
 
@@ -276,6 +271,7 @@ class Guard:
 
     def _read_notes(self) -> None:
         assert self._probe is not None and self.control is not None
+        self._read_at = time.monotonic() + WATCH_S
         while (q := self._probe(None, TAG_NOTE)) is not None:
             note = np.empty(_NOTE, np.int64)
             self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
@@ -287,7 +283,7 @@ class Guard:
 
     def _encoded(self) -> np.ndarray:
         assert self._cur is not None
-        template, seq, cseq, _ = self._cur
+        template, seq, cseq = self._cur[:3]
         a = template.copy()
         a[CSEQ], a[SEQ] = cseq, seq
         return a
@@ -403,9 +399,11 @@ class Guard:
         flight recorder, and raise."""
         if self.failed is None:
             self.failed, self._failed_kind = text, kind
-            rec = rec if rec >= 0 else self._rec
-            if rec < 0 and self._pending is not None:
-                rec = self.record(*self._pending)
+            cur = self._cur
+            if rec < 0 and cur is not None:
+                _, seq, cseq, _, rec, fp = cur
+                if rec < 0 and fp is not None:
+                    rec = self.record(fp, seq, cseq)
             state = {CollectiveMismatchError: "mismatch", CommTimeoutError: "timeout"}.get(
                 kind, "failed")
             if self.recorder is not None and rec >= 0:

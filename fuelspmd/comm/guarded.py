@@ -124,8 +124,9 @@ class GuardedTransport:
         self.cseq = 0
         self._calls: dict[tuple[Any, ...], _Call] = {}
         self._checked = "checked" in transport.capabilities and self.guard.checks
-        self._memo: tuple[Any, Any, Any, Any] = ((), None, None, None)
+        self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
+        self._lean = self._checked and recorder is None and not self._debug
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -174,15 +175,8 @@ class GuardedTransport:
                 else:
                     g.meet(check)
                     work = self._issue(method, args, call)
-            except Disagreement as e:
-                g.explain(e.rows)
-                raise
-            except CommTimeoutError:
-                g.late("the check", g.timeout)
-                raise
             except CommError as e:
-                if g.failed is None:
-                    g.fail(str(e), type(e))
+                self._failed(e)
                 raise
         self.seq, self.cseq = seq + 1, cseq + 1
         if g.recorder is None and not self._debug and work.test():
@@ -190,6 +184,18 @@ class GuardedTransport:
             return work
         return GuardedWork(g, work, call.encoded, seq, cseq, g.record(call.fp, seq, cseq),
                            result=result if self._debug else None)
+
+    def _failed(self, e: CommError) -> None:
+        """A check or its collective failed: ranks that disagreed are explained (fields,
+        ranks), a wait past the deadline names the absent ranks, and any other error
+        fails the guard, so every later operation raises too."""
+        g = self.guard
+        if isinstance(e, Disagreement):
+            g.explain(e.rows)
+        elif isinstance(e, CommTimeoutError):
+            g.late("the check", g.timeout)
+        elif g.failed is None:
+            g.fail(str(e), type(e))
 
     def _issue(self, method: Callable[..., Work], args: tuple[Any, ...], call: _Call) -> Work:
         """Issue a collective every rank agreed on. If this rank's transport refuses it
@@ -208,19 +214,44 @@ class GuardedTransport:
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
-        rop = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
         m = self._memo  # the kind of the last all_reduce: a repeated one skips the lookup
-        if (buf.__class__ is np.ndarray and rop is m[2] and buf.dtype is m[1]
+        if (op is m[2] and buf.__class__ is np.ndarray and buf.dtype is m[1]
                 and buf.shape == m[0] and buf.flags.c_contiguous):
-            call = m[3]
+            rop, call = m[3], m[4]
         else:
+            rop = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
             check_buffers("all_reduce", self.size, buf)
             call = self._call("all_reduce", buf, rop._value_)  # type: ignore[union-attr]
             if buf.__class__ is np.ndarray:
-                self._memo = (buf.shape, buf.dtype, rop, call)
+                self._memo = (buf.shape, buf.dtype, op, rop, call)
+        if self._lean:
+            return self._in_band(call, buf, rop)
         inner = self.inner
         return self._collective(call, inner.all_reduce, (buf, rop), buf,
                                 inner.all_reduce_checked if self._checked else None)  # type: ignore[attr-defined]
+
+    def _in_band(self, call: _Call, buf: Any, rop: ReduceOp) -> Work:
+        """:meth:`_collective` for the common all_reduce: checked in the transport's own
+        meeting, nothing to record, not debug. The same steps, fewer calls: they run with
+        the caches cold after a large reduction, while the peers wait."""
+        g = self.guard
+        if g.failed is not None:
+            g.raise_if_failed()
+        seq, cseq = self.seq, self.cseq
+        check = call.check
+        g.begin(call.encoded, seq, cseq, fp=call.fp)
+        w = check.words  # type: ignore[union-attr]
+        w[1], w[2] = cseq, g.fence
+        try:
+            work = self.inner.all_reduce_checked(buf, rop, check)  # type: ignore[attr-defined]
+        except CommError as e:
+            self._failed(e)
+            raise
+        self.seq, self.cseq = seq + 1, cseq + 1
+        if work.test():
+            g.settle(-1)
+            return work
+        return GuardedWork(g, work, call.encoded, seq, cseq, -1)
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""

@@ -51,18 +51,6 @@ class Record:
         return d
 
 
-class _Settle:
-    """What :meth:`Recorder.record` returns: ``settle(state, note)`` marks the operation."""
-
-    __slots__ = ("_rec", "ticket")
-
-    def __init__(self, rec: Recorder, ticket: int) -> None:
-        self._rec, self.ticket = rec, ticket
-
-    def settle(self, state: str, note: str = "") -> None:
-        self._rec.mark(self.ticket, state, note)
-
-
 class Recorder:
     """A ring of this rank's last ``capacity`` operations."""
 
@@ -92,13 +80,6 @@ class Recorder:
             return
         end = self._end[i]
         self._end[i] = (state, time.time(), note or (end[2] if end is not None else ""))
-
-    def record(self, fp: Fingerprint, seq: int | None = None, cseq: int | None = None
-               ) -> _Settle:
-        """Append ``fp`` as issued; return a handle whose ``settle`` marks it."""
-        seq = fp.seq if seq is None else seq
-        cseq = (fp.seq if fp.cseq is None else fp.cseq) if cseq is None else cseq
-        return _Settle(self, self.push(fp, seq, cseq))
 
     def records(self) -> list[Record]:
         """Return copies of the kept records, oldest first."""

@@ -29,6 +29,11 @@ def fp(seq: int, op: str = "all_reduce", **kw: object) -> Fingerprint:
     return Fingerprint(seq, op, **base)  # type: ignore[arg-type]
 
 
+
+def _log(rec: Recorder, f: Fingerprint, state: str, note: str = "") -> None:
+    """Record ``f`` as the guard does (its own numbers) and settle it as ``state``."""
+    rec.mark(rec.push(f, f.seq, f.seq if f.cseq is None else f.cseq), state, note)
+
 def test_encode_is_fixed_int64_and_equal_fingerprints_agree() -> None:
     a = fp(3).encode()
     assert a.dtype == np.int64 and a.shape == (FP_LEN,)
@@ -78,7 +83,7 @@ def test_group_id_depends_on_members_and_color() -> None:
 def test_ring_keeps_the_last_records_and_dumps_json(tmp_path: Path) -> None:
     rec = Recorder(capacity=4)
     for i in range(10):
-        rec.record(fp(i)).settle("completed")
+        _log(rec, fp(i), "completed")
     assert [r.seq for r in rec.records()] == [6, 7, 8, 9]
     path = rec.dump(tmp_path / "d", 3, reason="why")
     assert path.name == "rank3.json"
@@ -125,7 +130,7 @@ def _dumps(tmp_path: Path, ranks: int, skip: int | None, n: int = 6,
             if r == skip and i == n - 1 and change is None:
                 break
             kw = change if (r == skip and i == n - 1 and change) else {}
-            rec.record(fp(i, **kw)).settle("completed" if i < n - 1 else "timeout")
+            _log(rec, fp(i, **kw), "completed" if i < n - 1 else "timeout")
         rec.dump(tmp_path, r)
     return tmp_path
 
@@ -153,7 +158,7 @@ def test_trace_aligned_dumps_exit_zero(tmp_path: Path,
     for r in range(2):
         rec = Recorder()
         for i in range(5):
-            rec.record(fp(i)).settle("completed")
+            _log(rec, fp(i), "completed")
         rec.dump(tmp_path, r)
     assert trace_main([str(tmp_path)]) == 0
     assert "collectives #0..#4 line up on every rank" in capsys.readouterr().out
@@ -163,9 +168,9 @@ def test_trace_lists_failed_p2p_when_collectives_agree(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for r in range(2):
         rec = Recorder()
-        rec.record(fp(0)).settle("completed")
+        _log(rec, fp(0), "completed")
         op = "send" if r == 0 else "recv"
-        rec.record(fp(1, op, src=0, dst=1, tag=5 + r, cseq=1)).settle("mismatch", "tag")
+        _log(rec, fp(1, op, src=0, dst=1, tag=5 + r, cseq=1), "mismatch", "tag")
         rec.dump(tmp_path, r)
     assert trace_main([str(tmp_path)]) == 1
     out = capsys.readouterr().out

@@ -63,8 +63,11 @@ class Recorder:
         self._ops: list[tuple[int, Fingerprint, int, int, float] | None] = [None] * capacity
         self._end: list[tuple[str, float, str] | None] = [None] * capacity
 
-    def push(self, fp: Fingerprint, seq: int, cseq: int) -> int:
-        """Record ``fp`` (with these numbers) as issued now; return its ticket."""
+    def push(self, fp: Fingerprint, seq: int | None = None, cseq: int | None = None) -> int:
+        """Record ``fp`` as issued now, with these numbers (default: its own); return the
+        ticket that :meth:`mark` settles."""
+        seq = fp.seq if seq is None else seq
+        cseq = (fp.seq if fp.cseq is None else fp.cseq) if cseq is None else cseq
         n = self._n
         self._n = n + 1
         i = n % self.capacity

@@ -31,8 +31,8 @@ def fp(seq: int, op: str = "all_reduce", **kw: object) -> Fingerprint:
 
 
 def _log(rec: Recorder, f: Fingerprint, state: str, note: str = "") -> None:
-    """Record ``f`` as the guard does (its own numbers) and settle it as ``state``."""
-    rec.mark(rec.push(f, f.seq, f.seq if f.cseq is None else f.cseq), state, note)
+    """Record ``f`` with its own numbers and settle it as ``state``."""
+    rec.mark(rec.push(f), state, note)
 
 def test_encode_is_fixed_int64_and_equal_fingerprints_agree() -> None:
     a = fp(3).encode()

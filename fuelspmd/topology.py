@@ -49,10 +49,10 @@ __all__ = [
 KINDS = ("nvlink", "pcie", "shm", "net")
 _DECLARED = Path(__file__).resolve().parent / "topologies"
 
-# Shared memory between CPU processes when nothing was calibrated: MPICH on the project's
-# 2-core machines moved 64 MiB through a 2-rank Allreduce in about 31 ms (2.2 GB/s of bus
-# bandwidth) and took about 2.5 us at 8 B (shared/notes/measured.md); one process sums two
-# buffers at roughly half its copy rate of 11.5 GB/s.
+# Shared memory between CPU processes when nothing was calibrated: MPICH's 2-rank
+# Allreduce on a small CPU node, a bus bandwidth of a few GB/s and a latency of a couple
+# of microseconds; one process sums two buffers at about half its copy rate
+# (``fuelspmd bench calibrate`` replaces all three; docs/performance.md gives a run).
 SHM_DEFAULT = {"bandwidth": 2.2e9, "latency": 1.2e-6, "reduce_bandwidth": 6.0e9}
 # Between nodes when nothing is declared: one 100 Gb/s Ethernet port, a few microseconds.
 NET_DEFAULT = {"bandwidth": 100e9 / 8 * 0.95, "latency": 5e-6}

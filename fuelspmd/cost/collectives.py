@@ -399,16 +399,16 @@ class CostModel:
 
     def _shm(self, nbytes: float, g: list[int], concurrent: int) -> Estimate:
         """The shared-memory all-reduce of ``fuelspmd_mpi``, with the input placed in the
-        shared window, as the lazy graph places it (``window_buffer``).
+        shared window, as the lazy graph places it (the transport's ``lend`` capability).
 
         Two phase syncs (``ceil(log2 n)`` latencies each) and a fixed per-call overhead;
         each rank writes its reduced ``N/n`` once and copies ``(n-1)/n N`` out, ``N`` of
         copies, at twice the fabric's bandwidth (an MPI byte sent through shared memory is
         copied twice, into the shared queue and out); the fold of ``(n-1)/n N`` bytes costs
         what the ring's does. An input the caller keeps in its own buffer is copied in
-        first, ``(n-1)/n N`` more (measured, 2 ranks: about even with MPICH at 1 MiB where
-        placed inputs are 1.5x faster); the graph places every all_reduce input and bucket
-        it can, so the plan prices the placed path.
+        first, ``(n-1)/n N`` more (which can cost the whole lead over MPI at 1 MiB); the
+        graph places every all_reduce input and bucket it can, so the plan prices the
+        placed path.
         """
         n = len(g)
         node = self.topology.nodes[self.topology.node_index(g[0])]
@@ -424,11 +424,10 @@ class CostModel:
         """Whether the last-level-cache condition of :meth:`shm_min_bytes` holds for the
         shm all-reduce of ``group``: when its ranks outnumber the node's cores (or the
         cores are not known). With a core per rank the transport runs large all-reduces
-        pipelined through small slots that stay in cache (copied inputs: 1.08-1.32x MPI at
-        4 MiB, 1.17-1.20x at 16 MiB, 2 ranks here) and the lazy graph places inputs in the
-        window (1.5x at 1 MiB, 1.7-2x from 4 MiB), so the alpha-beta terms alone decide;
-        oversubscribed ranks run the whole-size path, which loses in cache (4 ranks on 2
-        cores, placed: 0.41x at 256 KiB, 0.98x at 1 MiB)."""
+        pipelined through small slots that stay in cache and the lazy graph places inputs
+        in the window, so the alpha-beta terms alone decide; oversubscribed ranks run the
+        whole-size path, whose working set (the window as well as the buffers) leaves the
+        cache where MPI's does not (``fuelspmd bench shm``; docs/performance.md)."""
         node = self.topology.nodes[self.topology.node_index(group[0])]
         return node.cores is None or len(group) > node.cores
 
@@ -442,8 +441,8 @@ class CostModel:
         alpha-beta estimate of shm beats every default algorithm, and the ring's working
         set, ``n * N``, exceeds the node's last-level cache ``llc_bytes``. Below that, MPI's
         copies stay in cache while shm's (twice the footprint: the shared window as well)
-        do not, and the ring beats its calibrated bandwidth: on a 48 MiB L3 at 2 ranks
-        shm lost at 16 MiB (0.93x) and won at 32 MiB (1.3x), which no alpha-beta term says.
+        do not, and the ring beats its calibrated bandwidth, which no alpha-beta term
+        says.
         """
         members = self._group("all_reduce", group)
         if "shm" not in self.algorithms("all_reduce", members, opt_in=True):

@@ -92,8 +92,8 @@ class Spec:
     def shard(self, full: Any) -> Any:
         """This rank's block of ``full`` (an array of ``full_shape``)."""
         if tuple(full.shape) != self.full_shape:
-            raise ShapeError(f"Spec.shard: array of shape {tuple(full.shape)} given, the "
-                             f"parameter's full shape is {self.full_shape}")
+            raise ShapeError(f"Spec.shard: array of shape {tuple(full.shape)} given; give "
+                             f"one of the parameter's full shape {self.full_shape}")
         return full[self.local_slice()]
 
 
@@ -126,7 +126,8 @@ class Parameter(Tensor):
                             else None)
         if shape is not None and tuple(int(d) for d in shape) != local:
             raise ShapeError(f"Parameter: shape={tuple(shape)} but the value/spec gives a "
-                             f"local shape {local}")
+                             f"local shape {local}; give shape= only without data, equal "
+                             "to the spec's local shape")
         if spec is None:
             spec = Spec(local)
         elif spec.local_shape != local:

@@ -23,7 +23,7 @@ from fuelspmd.tensor import Tensor, realize
 __all__ = ["Key", "StepResult", "StepRun"]
 
 Key = tuple[str, int, int]
-StageFn = Callable[[Sequence[Tensor], Tensor], Tensor]
+StageFn = Callable[[Tensor], Tensor]  # a stage Module's forward
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -59,7 +59,8 @@ class _Saved:
 class StepRun:
     """The state of one step on one rank: saved activations and accumulated gradients.
 
-    ``stages[j]``/``params[j]`` are chunk ``j`` of this rank; ``xs``/``ts`` the micro-batch
+    ``stages[j]``/``params[j]`` are chunk ``j`` of this rank (its Module and that Module's
+    parameters, which it reads when called); ``xs``/``ts`` the micro-batch
     inputs (rank of virtual stage 0) and targets (rank of the last one). With ``dp``, the
     chunk's gradients are averaged over it as its last micro-batch accumulates them: one
     all_reduce per gradient, last parameter first, in that action's graph, so the planner
@@ -111,7 +112,7 @@ class StepRun:
             x = self.xs[i]
         assert x is not None
         x = x.realize()
-        y = self.stages[chunk](self.params[chunk], x)
+        y = self.stages[chunk](x)
         last = v == s.virtual_stages - 1
         out = self._loss(y, i) if last else y
         if last:
@@ -170,7 +171,7 @@ class StepRun:
                 sv.ct.buffer = g.realize().node.buffer
                 sv.ct = None
             return
-        y = self.stages[chunk](self.params[chunk], sv.x)
+        y = self.stages[chunk](sv.x)
         if last:
             self._build(v, sv, y, self._loss(y, i))
         else:

@@ -11,11 +11,13 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import fuelspmd as fs
+from fuelspmd import nn
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.mesh import Mesh
@@ -106,21 +108,32 @@ def test_measured_timeline_covers_the_schedule_in_order() -> None:
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * p * m
 
 
-def _linear(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
-    return x @ params[0]
+class _Linear(nn.Module):
+    """``x @ W``, its collective-free stage; ``tp`` given: the mean over tp of identical
+    replicas, an all_reduce inside the stage."""
+
+    def __init__(self, w: np.ndarray, device: Any, tp: fs.Communicator | None = None) -> None:
+        self.weight = nn.Parameter(w, device=device)
+        self.tp = tp
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        y = x @ self.weight
+        return y if self.tp is None else self.tp.all_reduce(y) * (1.0 / self.tp.size)
 
 
 def test_bad_configuration_is_refused() -> None:
     def body(comm: fs.Communicator) -> None:
-        w = [np.eye(3)]
+        lin = _Linear(np.eye(3), comm.device)
         with pytest.raises(ConfigError, match=r"schedule has 3 stages but .* 2 ranks"):
-            PipelineExecutor(schedule("gpipe", 3, 2), comm=comm, stages=[_linear],
-                             params=[w], loss=P.mse)
+            PipelineExecutor(schedule("gpipe", 3, 2), comm=comm, stages=[lin], loss=P.mse)
         with pytest.raises(ConfigError, match="1 stages given but the schedule has 2 chunk"):
-            PipelineExecutor(schedule("interleaved", 2, 2, 2), comm=comm, stages=[_linear],
-                             params=[w, w], loss=P.mse)
-        ex = PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[_linear],
-                              params=[w], loss=lambda y, t: y - t)
+            PipelineExecutor(schedule("interleaved", 2, 2, 2), comm=comm, stages=[lin],
+                             loss=P.mse)
+        with pytest.raises(TypeError, match=r"stage 0 is a function, not an nn\.Module"):
+            PipelineExecutor(schedule("gpipe", 2, 2), comm=comm,
+                             stages=[lambda x: x], loss=P.mse)  # type: ignore[list-item]
+        ex = PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[lin],
+                              loss=lambda y, t: y - t)
         if comm.rank == 0:
             with pytest.raises(ConfigError, match="rank 0 needs inputs, one per micro-batch: "
                                                   "2, got 1"):
@@ -133,8 +146,8 @@ def test_bad_configuration_is_refused() -> None:
 
 def test_a_loss_that_is_not_scalar_is_refused() -> None:
     def body(comm: fs.Communicator) -> None:
-        ex = PipelineExecutor(schedule("gpipe", 1, 1), comm=comm, stages=[_linear],
-                              params=[[np.eye(3)]], loss=lambda y, t: y - t)
+        ex = PipelineExecutor(schedule("gpipe", 1, 1), comm=comm,
+                              stages=[_Linear(np.eye(3), comm.device)], loss=lambda y, t: y - t)
         with pytest.raises(ShapeError, match=r"loss gave shape \(1, 3\)"):
             ex.step([np.ones((1, 3))], [np.ones((1, 3))])
 
@@ -149,13 +162,9 @@ def test_a_collective_in_a_stage_needs_recompute() -> None:
 
     def body(comm: fs.Communicator, recompute: bool) -> float:
         mesh = Mesh(comm, tp=2)
-        tp = mesh.comm("tp")
-
-        def stage(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
-            return tp.all_reduce(x @ params[0]) * 0.5  # the mean of identical replicas
-
+        stage = _Linear(w, comm.device, tp=mesh.comm("tp"))
         ex = PipelineExecutor(schedule("1f1b", 1, 2), comm=mesh.comm("pp"), stages=[stage],
-                              params=[[w]], loss=P.mse, recompute=recompute)
+                              loss=P.mse, recompute=recompute)
         out = ex.step([x, 2 * x], [t, t])
         return out.loss, out.grads[0][0].numpy()
 
@@ -201,7 +210,7 @@ def test_tags_past_the_transport_bound_fold_and_still_meet_in_order() -> None:
     xs = [np.array([[float(i)]]) for i in range(m)]
 
     def body(comm: fs.Communicator) -> tuple[float, np.ndarray]:
-        ex = PipelineExecutor(sched, comm=comm, stages=[_linear], params=[[w]],
+        ex = PipelineExecutor(sched, comm=comm, stages=[_Linear(w, comm.device)],
                               loss=lambda y, t: (y * t).sum())
         out = ex.step(xs if comm.rank == 0 else None, xs if comm.rank == 1 else None)
         return out.loss, out.grads[0][0].numpy()

@@ -16,6 +16,7 @@ in one :class:`~fuelspmd.errors.ConfigError`, before it assigns anything.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from fuelspmd.errors import ConfigError
 from fuelspmd.tensor import realize
 
 from .parameter import Parameter
+from .recompute import checkpoint
 
 __all__ = ["Module"]
 
@@ -40,14 +42,19 @@ def _children(value: Any) -> Iterator[tuple[str, Any]]:
 
 class Module:
     """Base of every layer and model; see the module docstring. Subclasses define
-    ``forward``; calling the module calls it."""
+    ``forward``; calling the module calls it. Set ``block.recompute = True`` to recompute
+    the block's forward in the backward while training (:mod:`.recompute`)."""
 
     training: bool = True
+    recompute: bool = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.recompute and self.training:
+            return checkpoint(partial(self.forward, **kwargs), *args,
+                              params=self.parameters())
         return self.forward(*args, **kwargs)
 
     # ---- walking --------------------------------------------------------------------

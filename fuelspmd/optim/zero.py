@@ -3,8 +3,9 @@
 Layer 7. Every dp replica holds the whole (TP/PP-local) model but only ``1/dp`` of the
 optimiser: the parameters are packed, in order, into flat buckets of about
 ``bucket_bytes`` (one dtype each, padded to a multiple of ``dp``), and rank ``r`` of dp
-owns slice ``r`` of every bucket: its float32 master copy and the inner optimiser's
-state (AdamW's two moments) of just that slice. A step, per bucket:
+owns slice ``r`` of every bucket: the inner optimiser's state (AdamW's two moments) of
+just that slice, and its float32 master copy when the parameters are 16-bit (otherwise
+the parameters themselves hold the slice's values). A step, per bucket:
 
 1. ``reduce_scatter(avg)`` of the replica's *unreduced* gradients: rank ``r`` receives the
    dp-mean of its slice (the all-reduce of plain data parallelism, less its all-gather);
@@ -97,7 +98,8 @@ class ZeRO1:
         self.inner, self.dp = optimizer, dp
         self.params = optimizer.params
         self.buckets = _buckets(self.params, dp.size, bucket_bytes)
-        self.shards: list[Tensor | None] = [None] * len(self.buckets)  # master slices
+        # float32 master slices of 16-bit buckets (None: cut from the parameters)
+        self.shards: list[Tensor | None] = [None] * len(self.buckets)
         self.state: list[State] = [{} for _ in self.buckets]
 
     @property
@@ -141,8 +143,7 @@ class ZeRO1:
             if self.shards[k] is None:
                 whole = self._flat(b, [Tensor(params[i].node).astype(mdt).reshape(-1)
                                        for i in b.index])
-                r = dp.rank
-                self.shards[k] = whole[r * b.shard:(r + 1) * b.shard]
+                self.shards[k] = whole[dp.rank * b.shard:(dp.rank + 1) * b.shard]
             flat = self._flat(b, [grads[i].astype(mdt).reshape(-1) for i in b.index])
             gs.append(flat if dp.size == 1 else dp.reduce_scatter(flat, 0, "avg"))
         norm = None
@@ -158,13 +159,15 @@ class ZeRO1:
             assert w is not None
             w, self.state[k] = opt.update(w, g, self.state[k] or opt.init_state(w), lr=lr,
                                           step=t)
-            self.shards[k] = w
+            # a 16-bit bucket keeps its float32 slice; any other is its parameters' own
+            # values after the all-gather, cut again at the next step (no second copy)
+            self.shards[k] = w if w.dtype != b.dtype else None
             full = w if w.dtype == b.dtype else w.astype(b.dtype)
             outs.append(full if dp.size == 1 else dp.all_gather(full, 0))
         news = [(i, full[off:off + n].reshape(params[i].shape))
                 for b, full in zip(self.buckets, outs)
                 for i, off, n in zip(b.index, b.offsets, b.sizes)]
-        realize(*(v for _, v in news), *(s for s in self.shards if s is not None),
+        realize(*(v for _, v in news), *(m for m in self.shards if m is not None),
                 *(v for st in self.state for v in st.values()))
         for i, v in news:
             params[i].assign(v)

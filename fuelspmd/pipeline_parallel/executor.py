@@ -65,7 +65,8 @@ from fuelspmd.comm import Communicator
 from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
-from fuelspmd.nn import Module, Parameter
+from fuelspmd.graph import default_executor
+from fuelspmd.nn import DropoutRNG, Module, Parameter
 from fuelspmd.pipeline_parallel.actions import Message, Schedule
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
 from fuelspmd.pipeline_parallel.microbatch import (
@@ -90,13 +91,17 @@ class PipelineExecutor:
     ``stages[j]`` is chunk ``j`` of this rank (``schedule.chunks`` of them), a Module.
     With ``dp`` (size > 1) the loss is averaged over it, and the gradients too (unless
     ``reduce_grads=False``), in buckets of at most ``bucket_bytes``, started inside each
-    chunk's last backward. Collective: every rank of ``comm`` (and of ``dp``) constructs
-    its executor at the same point, with the same schedule.
+    chunk's last backward. ``dropout``: the stages' Dropout key, set to micro-batch ``i``
+    (``rng.set_step(rng.step, i)``) before each forward of micro-batch ``i``, recomputed
+    ones included, so every micro-batch draws its own masks and a recomputed forward the
+    same ones (the caller sets the step). Collective: every rank of ``comm`` (and of
+    ``dp``) constructs its executor at the same point, with the same schedule.
     """
 
     def __init__(self, schedule: Schedule, *, comm: Communicator, stages: Sequence[Module],
                  loss: LossFn, dp: Communicator | None = None, recompute: bool = False,
-                 reduce_grads: bool = True, bucket_bytes: int = DP_BUCKET_BYTES) -> None:
+                 reduce_grads: bool = True, bucket_bytes: int = DP_BUCKET_BYTES,
+                 dropout: DropoutRNG | None = None) -> None:
         validate(schedule)
         check_bucket_bytes(bucket_bytes)
         if comm.size != schedule.stages:
@@ -119,6 +124,7 @@ class PipelineExecutor:
         self.loss = loss
         self.recompute = bool(recompute)
         self.reduce_grads = bool(reduce_grads)
+        self.dropout = dropout
         self.stages = list(stages)
         self._p2p = comm.split(0, comm.rank)  # collective: a private channel
         agree(self._p2p.transport, "PipelineExecutor", timeout=comm.timeout,
@@ -221,7 +227,8 @@ class PipelineExecutor:
         if self._dp is not None:
             self._dp.times = []
         run = StepRun(s, self.stages, self._params(), self.loss, recompute=self.recompute,
-                      dp=self._dp if self.reduce_grads else None, xs=xs, ts=ts)
+                      dp=self._dp if self.reduce_grads else None, xs=xs, ts=ts,
+                      dropout=self.dropout)
         p2p.barrier()
         t0 = self._t0 = time.perf_counter()
         times: dict[Any, tuple[float, float]] = {}
@@ -240,6 +247,7 @@ class PipelineExecutor:
             out = run.action(st.action, {key: values.pop(key) for key in _needs(s, st)
                                          if key in values})
             times[st.action] = (start - t0, time.perf_counter() - t0)
+            run.peak_run = max(run.peak_run, default_executor().peak_bytes)
             for msg in st.sends:
                 tok = p2p.send(out.pop((msg.what, msg.vstage, msg.microbatch)), msg.dst,
                                tag=self._tag(msg))

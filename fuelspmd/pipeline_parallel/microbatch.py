@@ -35,6 +35,9 @@ class StepResult:
     ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised.
     ``times[a]``: (start, end) of action ``a``'s compute, seconds after the step's barrier.
     ``peak_saved_bytes``: the most bytes of saved activations this rank held at once.
+    ``peak_run_bytes``: the most bytes the graph executor held inside one action's realise
+    (its working set, beside the saved activations; the process's executor, so a
+    DeviceGroup's devices share one figure).
     ``reduces``: ``(chunk, call, issued, done)`` of each dp gradient all-reduce call (a
     bucket is one call), seconds after the step's barrier (empty without ``dp``).
     """
@@ -44,6 +47,7 @@ class StepResult:
     times: dict[Action, tuple[float, float]] = field(default_factory=dict)
     peak_saved_bytes: int = 0
     reduces: list[tuple[int, int, float, float]] = field(default_factory=list)
+    peak_run_bytes: int = 0
 
 
 @dataclass
@@ -69,9 +73,12 @@ class StepRun:
 
     def __init__(self, schedule: Schedule, stages: Sequence[StageFn],
                  params: Sequence[Sequence[Tensor]], loss: LossFn, *, recompute: bool,
-                 dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None) -> None:
+                 dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None,
+                 dropout: Any = None) -> None:
         self.schedule, self.stages, self.params, self.loss = schedule, stages, params, loss
         self.recompute, self.dp, self.xs, self.ts = recompute, dp, xs, ts
+        self.dropout = dropout
+        self.peak_run = 0
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.acc: list[list[Tensor] | None] = [None] * schedule.chunks
         self.count = [0] * schedule.chunks  # micro-batches accumulated per chunk
@@ -112,7 +119,7 @@ class StepRun:
             x = self.xs[i]
         assert x is not None
         x = x.realize()
-        y = self.stages[chunk](x)
+        y = self._call(chunk, i, x)
         last = v == s.virtual_stages - 1
         out = self._loss(y, i) if last else y
         if last:
@@ -137,6 +144,12 @@ class StepRun:
         self.live += sv.nbytes
         self.peak = max(self.peak, self.live)
         return {} if last else {("act", v, i): y}
+
+    def _call(self, chunk: int, i: int, x: Tensor) -> Tensor:
+        """Chunk ``chunk``'s stage on micro-batch ``i``'s input, its Dropout keyed by ``i``."""
+        if self.dropout is not None:
+            self.dropout.set_step(self.dropout.step, i)
+        return self.stages[chunk](x)
 
     def _loss(self, y: Tensor, i: int) -> Tensor:
         assert self.ts is not None
@@ -171,7 +184,7 @@ class StepRun:
                 sv.ct.buffer = g.realize().node.buffer
                 sv.ct = None
             return
-        y = self.stages[chunk](sv.x)
+        y = self._call(chunk, i, sv.x)
         if last:
             self._build(v, sv, y, self._loss(y, i))
         else:
@@ -206,7 +219,7 @@ class StepRun:
             for (chunk, first), end in zip(self.reduced, ends):
                 for b, (issued, done) in enumerate(self.dp.times[first:end]):
                     reduces.append((chunk, b, issued - t0, done - t0))
-        return StepResult(math.nan, grads, {}, self.peak, reduces)
+        return StepResult(math.nan, grads, {}, self.peak, reduces, self.peak_run)
 
 
 def _empty_like(y: Tensor) -> Any:

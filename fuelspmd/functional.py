@@ -21,8 +21,9 @@ from fuelspmd.dtypes import to_numpy
 from fuelspmd.errors import ConfigError, DTypeError, IndexRangeError, ShapeError
 from fuelspmd.tensor import Tensor, concat, tensor, where
 
-__all__ = ["check_range", "cross_entropy", "embedding", "gelu", "layer_norm", "log_softmax",
-           "mse_loss", "relu", "rms_norm", "rope", "rope_tables", "silu", "softmax"]
+__all__ = ["ce_checks", "check_range", "cross_entropy", "embedding", "gelu", "layer_norm",
+           "log_softmax", "mse_loss", "relu", "rms_norm", "rope", "rope_tables", "silu",
+           "smoothed_nll", "softmax"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -94,7 +95,8 @@ def check_range(op: str, indices: Tensor, size: int, *, what: str = "index",
     return host
 
 
-def _ce_checks(op: str, logits: Tensor, targets: Tensor, label_smoothing: float) -> None:
+def ce_checks(op: str, logits: Tensor, targets: Tensor, label_smoothing: float) -> None:
+    """The shape and smoothing checks both cross-entropies make."""
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
         raise ShapeError(f"{op}: logits must be (..., C) and targets the leading shape, got "
                          f"{logits.shape} and {targets.shape}")
@@ -122,7 +124,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
     row·C + target, so its backward is a scatter-add, not a one-hot.
     """
     op = "cross_entropy"
-    _ce_checks(op, logits, targets, label_smoothing)
+    ce_checks(op, logits, targets, label_smoothing)
     c = logits.shape[-1]
     host = check_range(op, targets, c, what="target", ignore_index=ignore_index).reshape(-1)
     n = host.size

@@ -4,6 +4,8 @@ ZeRO-1 in a DeviceGroup (dp 2 and 4) against the unsharded optimiser, and state_
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,9 @@ import fuelspmd as fs
 from fuelspmd import nn, optim
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError, ShapeError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import optim_programs as OP
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(4, 3), (3,), (3, 2)]
@@ -322,3 +327,13 @@ def test_fp16_loss_scaling_skips_the_step_on_every_rank_alike() -> None:
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x[2], y[2])
     assert a[1][2][0] == np.float16(1 - 0.2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_over_tp_and_pp_is_torchs_on_the_unsharded_model(
+        n: int, max_norm: float) -> None:
+    """At 4 devices TP 2 x PP 2: sharded parameters summed over tp, replicated ones once,
+    stages summed over pp (tests/optim_programs.py; tests/mpi/test_optim.py under MPI)."""
+    for got in DeviceGroup.cpu(n, timeout=30).run(lambda c: OP.clip(c, max_norm)):
+        OP.check(got, n, max_norm)

@@ -1,0 +1,29 @@
+"""clip_grad_norm over the MPI world at any size (TP 2 x PP 2 at 4 ranks) against torch's
+``clip_grad_norm_`` on the unsharded model: ``mpiexec -n N python -m pytest --with-mpi -q
+tests/mpi/test_optim.py`` (N = 1..4). The program is tests/optim_programs.py, which
+tests/unit/test_optim.py also runs in a DeviceGroup."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import fuelspmd as fs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import optim_programs as P
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+
+@pytest.fixture(scope="module")
+def world() -> fs.World:
+    return fs.init(timeout=20.0)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_clip_grad_norm_is_torchs_on_the_unsharded_model(world: fs.World,
+                                                          max_norm: float) -> None:
+    P.check(P.clip(world.comm, max_norm), world.comm.size, max_norm)

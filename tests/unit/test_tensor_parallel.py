@@ -53,6 +53,17 @@ def test_mixed_numpy_and_strict_devices(case: str, references: dict) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_rank_raises_the_same_index_range_error(n: int) -> None:
+    """Out-of-range targets and ids, each naming the value and where it is, alike on every
+    device, and no device left waiting in a collective."""
+    outs = DeviceGroup.cpu(n, timeout=TIMEOUT).run(P.bad_index_program)
+    assert all(o == outs[0] for o in outs)
+    assert [s.split(":")[0] for s in outs[0]] == ["IndexRangeError"] * 4, outs[0]
+    assert f"target {P.V} at position (3,) is outside [0, {P.V})" in outs[0][0]
+    assert "id -1 at position (1, 2)" in outs[0][2]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_seeded_layers_hold_shards_of_one_weight(n: int) -> None:
     """Results do not depend on the TP degree: each shard is a slice of seeded_weight."""
     full = tp.seeded_weight(3, 8, 16)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from .layers import (
     Dropout,
-    DropoutRNG,
     Embedding,
     LayerNorm,
     Linear,
@@ -19,6 +18,7 @@ from .layers import (
 from .module import Module
 from .parameter import Parameter, Spec
 from .recompute import checkpoint
+from .rng import DropoutRNG
 
 __all__ = ["Dropout", "DropoutRNG", "Embedding", "LayerNorm", "Linear", "Module", "Parameter",
            "RMSNorm", "Spec", "checkpoint", "full_arrays", "make_parameter", "seeded_weight",

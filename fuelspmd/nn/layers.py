@@ -31,8 +31,9 @@ from fuelspmd.tensor import Tensor, tensor
 
 from .module import Module
 from .parameter import Parameter, Spec
+from .rng import DropoutRNG
 
-__all__ = ["Dropout", "DropoutRNG", "Embedding", "LayerNorm", "Linear", "RMSNorm",
+__all__ = ["Dropout", "Embedding", "LayerNorm", "Linear", "RMSNorm",
            "full_arrays", "make_parameter", "seeded_weight", "weight_source"]
 
 Seed = int | Sequence[int]
@@ -167,23 +168,6 @@ class RMSNorm(_Norm):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, eps=self.eps)
-
-
-class DropoutRNG:
-    """The key of every dropout mask of a model: ``seed`` for the run, ``step`` and
-    ``micro`` (micro-batch) set by the training loop before each forward."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed, self.step, self.micro = int(seed), 0, 0
-
-    def set_step(self, step: int, micro: int = 0) -> None:
-        """Key the next forward's masks by ``(step, micro)``; build its backward first."""
-        self.step, self.micro = int(step), int(micro)
-
-    def keep(self, layer: int, shape: tuple[int, ...], p: float) -> np.ndarray:
-        """The full boolean keep mask of ``layer`` at the current step."""
-        rng = np.random.default_rng([self.seed, self.step, self.micro, int(layer)])
-        return rng.random(shape) >= p
 
 
 class Dropout(Module):

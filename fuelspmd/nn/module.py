@@ -26,6 +26,7 @@ from fuelspmd.tensor import realize
 
 from .parameter import Parameter
 from .recompute import checkpoint
+from .rng import DropoutRNG
 
 __all__ = ["Module"]
 
@@ -53,9 +54,27 @@ class Module:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.recompute and self.training:
-            return checkpoint(partial(self.forward, **kwargs), *args,
+            return checkpoint(self._replay(partial(self.forward, **kwargs)), *args,
                               params=self.parameters())
         return self.forward(*args, **kwargs)
+
+    def _replay(self, fn: Any) -> Any:
+        """``fn`` run under the dropout keys of now, whenever it runs (its recompute)."""
+        rngs = {id(r): r for m in self.modules() for r in vars(m).values()
+                if isinstance(r, DropoutRNG)}
+        keys = [(r, r.step, r.micro) for r in rngs.values()]
+
+        def run(*args: Any) -> Any:
+            now = [(r, r.step, r.micro) for r, _, _ in keys]
+            for r, step, micro in keys:
+                r.set_step(step, micro)
+            try:
+                return fn(*args)
+            finally:
+                for r, step, micro in now:
+                    r.set_step(step, micro)
+
+        return run
 
     # ---- walking --------------------------------------------------------------------
     def _walk(self, prefix: str, seen: set[int]) -> Iterator[tuple[str, Any]]:

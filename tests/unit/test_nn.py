@@ -222,3 +222,24 @@ def test_recompute_gives_the_same_gradients_in_less_memory(capsys: pytest.Captur
         print(f"\npeak bytes, 8 blocks: kept {kept}, recomputed {recomputed}")
     grads_bytes = sum(g.nbytes for g in want[1:])  # outputs: alive to the end either way
     assert recomputed - grads_bytes < 0.5 * (kept - grads_bytes), (kept, recomputed)
+
+
+def test_a_recomputed_block_redraws_its_forward_masks() -> None:
+    """The loop moves the dropout key on (the next micro-batch) before this backward is
+    built: the recomputed forward still uses the key its forward saw."""
+    rng = nn.DropoutRNG(5)
+
+    def grads(recompute: bool) -> list[np.ndarray]:
+        block = Wide(0)
+        block.drop = nn.Dropout(0.5, rng=rng, layer=1)
+        block.recompute = recompute
+        x = fs.tensor(np.random.default_rng(1).standard_normal((4, 32)))
+        rng.set_step(3, 0)
+        loss = (block(x) ** 2).sum()
+        rng.set_step(3, 1)
+        out = fs.grad(loss, [x, *block.parameters()])
+        assert (rng.step, rng.micro) == (3, 1)
+        return [g.numpy() for g in out]
+
+    for a, b in zip(grads(True), grads(False)):
+        np.testing.assert_array_equal(a, b)

@@ -302,31 +302,50 @@ def test_zero1_state_dict_round_trip_and_layout_check() -> None:
 
 
 def test_fp16_loss_scaling_skips_the_step_on_every_rank_alike() -> None:
-    """Rank 1's gradient overflows at step 2: both ranks skip it (parameters unchanged,
-    scale halved), then step again; the scale grows after `interval` good steps."""
-    def body(comm: fs.Communicator) -> list[tuple[bool, float, np.ndarray]]:
-        p = nn.Parameter(fs.tensor(np.ones(4, np.float16), device=comm.device))
-        opt = optim.SGD([p], lr=0.1)
-        scaler = optim.LossScaler(2.0 ** 10, interval=2)
-        seen = []
-        for step in range(5):
-            big = 1e4 if (step == 2 and comm.rank == 1) else 1.0  # 1e4 * 2^10 > 65504
-            loss = (p * big).sum()
-            grads = fs.grad(scaler.scale(loss), [p])
-            grads, finite = scaler.unscale(grads, comm=comm)
-            if finite:
-                opt.step(grads)
-            scaler.update(finite)
-            seen.append((finite, scaler.value, p.numpy().astype(np.float32)))
-        return seen
+    """The last rank's gradient overflows at step 2: every rank skips it (tests/
+    optim_programs.py; tests/mpi/test_optim.py under MPI)."""
+    OP.check_scaling(DeviceGroup.cpu(2, timeout=30).run(OP.scaling))
 
-    a, b = DeviceGroup.cpu(2, timeout=30).run(body)
-    assert [s[0] for s in a] == [s[0] for s in b] == [True, True, False, True, True]
-    assert [s[1] for s in a] == [2.0 ** 10, 2.0 ** 11, 2.0 ** 10, 2.0 ** 10, 2.0 ** 11]
-    np.testing.assert_array_equal(a[2][2], a[1][2])  # the skipped step changed nothing
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x[2], y[2])
-    assert a[1][2][0] == np.float16(1 - 0.2)
+
+def test_zero1_shards_the_float32_master_weights_of_bfloat16_parameters() -> None:
+    """bfloat16 parameters under ZeRO1 at dp 2: the float32 master slices and moments
+    follow the unsharded AdamW fed the dp-mean (float32) gradient; the parameters are the
+    masters rounded to bfloat16."""
+    init = [a.astype(np.float32) for a in _init()]
+    grads = [[np.random.default_rng([s, r]).standard_normal((21,)).astype(np.float32) * 1e-2
+              for r in range(2)] for s in range(5)]
+
+    def body(comm: fs.Communicator) -> tuple[list[np.ndarray], int]:
+        params = [nn.Parameter(fs.tensor(a, device=comm.device, dtype="bfloat16"))
+                  for a in init]
+        opt = optim.ZeRO1(optim.AdamW(params, lr=1e-2), dp=comm, bucket_bytes=32)
+        for gs in grads:
+            flat = gs[comm.rank]
+            parts, off = [], 0
+            for p in params:
+                n = int(np.prod(p.shape))
+                parts.append(fs.tensor(flat[off:off + n].reshape(p.shape),
+                                       device=comm.device, dtype="bfloat16"))
+                off += n
+            opt.step(parts)
+        return [p.numpy().astype(np.float32) for p in params], opt.state_bytes()
+
+    ref = [nn.Parameter(fs.tensor(a, dtype="bfloat16")) for a in init]
+    opt = optim.AdamW(ref, lr=1e-2)
+    for gs in grads:
+        b16 = [fs.tensor(g, dtype="bfloat16").numpy().astype(np.float32) for g in gs]
+        mean = (b16[0] + b16[1]) / 2
+        parts, off = [], 0
+        for p in ref:
+            n = int(np.prod(p.shape))
+            parts.append(fs.tensor(mean[off:off + n].reshape(p.shape)))
+            off += n
+        opt.step(parts)
+    want = [p.numpy().astype(np.float32) for p in ref]
+    for got, nbytes in DeviceGroup.cpu(2, timeout=30).run(body):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        assert nbytes < opt.state_bytes() * 0.6  # master + moments, about half each
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -337,3 +356,10 @@ def test_clip_grad_norm_over_tp_and_pp_is_torchs_on_the_unsharded_model(
     stages summed over pp (tests/optim_programs.py; tests/mpi/test_optim.py under MPI)."""
     for got in DeviceGroup.cpu(n, timeout=30).run(lambda c: OP.clip(c, max_norm)):
         OP.check(got, n, max_norm)
+
+
+def test_without_a_mesh_the_specs_communicators_are_summed_over() -> None:
+    """A plain TP model (tp 2, one stage): mesh=None gives the norm mesh= gives."""
+    for with_mesh, without in DeviceGroup.cpu(2, timeout=30).run(
+            lambda c: (OP.clip(c, 0.5)["norm"], OP.clip(c, 0.5, mesh=False)["norm"])):
+        assert with_mesh == without

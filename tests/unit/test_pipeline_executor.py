@@ -61,6 +61,64 @@ def test_dp_buckets_start_in_the_last_backward_and_give_the_same_numbers(
         P.check_buckets(got["result"], sched, rank % 2, buckets=2)
 
 
+def test_reduce_grads_false_leaves_each_replicas_own_gradients() -> None:
+    """What ZeRO-1 reduce-scatters itself: each replica's gradients, whose dp mean is the
+    averaged step's; the loss is still the dp mean."""
+    outs = DeviceGroup.cpu(4, timeout=TIMEOUT).run(
+        lambda c: P.run(c, "1f1b", 4, 1, dp=2, reduce_grads=False))
+    for pp_rank in (0, 1):
+        a, b = outs[pp_rank], outs[2 + pp_rank]  # dp 0 and dp 1 of that stage
+        assert a["loss"] == b["loss"]
+        mean = {v: [(x + y) / 2 for x, y in zip(a["grads"][v], b["grads"][v])]
+                for v in a["grads"]}
+        assert not np.allclose(a["grads"][pp_rank][0], b["grads"][pp_rank][0])
+        P.check({"loss": a["loss"], "grads": mean}, 2, 4, dp=2)
+
+
+class _Dropped(nn.Module):
+    """``dropout(x) @ W``: a stage whose masks the executor keys by micro-batch."""
+
+    def __init__(self, w: np.ndarray, rng: nn.DropoutRNG, device: Any) -> None:
+        self.drop = nn.Dropout(0.5, rng=rng, layer=0)
+        self.weight = nn.Parameter(w, device=device)
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        return self.drop(x) @ self.weight
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dropout_is_keyed_by_micro_batch_at_the_forward_and_its_recompute(
+        recompute: bool) -> None:
+    """The gradient equals one process's with ``rng.set_step(step, i)`` before micro-batch
+    i's forward: each micro-batch its own masks, the recomputed forward the same ones."""
+    rng_w = np.random.default_rng(4)
+    w, xs = rng_w.standard_normal((6, 3)), [rng_w.standard_normal((5, 6)) for _ in range(3)]
+    ts = [np.zeros((5, 3))] * 3
+
+    def body(comm: fs.Communicator) -> np.ndarray:
+        rng = nn.DropoutRNG(7)
+        stage = _Dropped(w, rng, comm.device)
+        ex = PipelineExecutor(schedule("1f1b", 1, 3), comm=comm, stages=[stage], loss=P.mse,
+                              recompute=recompute, dropout=rng)
+        rng.set_step(5)
+        return ex.step(xs, ts).grads[0][0].numpy()
+
+    (got,) = DeviceGroup.cpu(1, timeout=TIMEOUT).run(body)
+    rng = nn.DropoutRNG(7)
+    ref = _Dropped(w, rng, "cpu:0")
+    total = None
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        rng.set_step(5, i)
+        term = P.mse(ref(fs.tensor(x)), fs.tensor(t)) * (1 / 3)
+        total = term if total is None else total + term
+    assert total is not None
+    np.testing.assert_allclose(got, fs.grad(total, [ref.weight])[0].numpy(), rtol=1e-12)
+    rng.set_step(5, 0)
+    one = ref.drop(fs.tensor(np.ones((5, 6)))).numpy()
+    rng.set_step(5, 1)
+    assert not np.array_equal(one, ref.drop(fs.tensor(np.ones((5, 6)))).numpy())
+
+
 def test_bucket_bytes_must_be_positive() -> None:
     def body(comm: fs.Communicator) -> None:
         with pytest.raises(ConfigError, match="bucket_bytes=0"):

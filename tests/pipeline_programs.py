@@ -61,7 +61,7 @@ def mse(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
 
 def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 2,
         sends: str | None = None, recompute: bool = False,
-        bucket_bytes: int | None = None, reduce_grads: bool = True) -> dict[str, Any]:
+        bucket_bytes: int | None = None, own_grads: bool = False) -> dict[str, Any]:
     """One rank's program: a ``dp x pp`` mesh over ``comm``, ``steps`` steps of ``kind``
     (dp gradient buckets of ``bucket_bytes``, the executor's default when None).
 
@@ -79,7 +79,8 @@ def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 
     ex = PipelineExecutor(
         sched, comm=pp, stages=[Stage(*full[v], last=v == v_total - 1, device=pp.device)
                                 for v in mine], loss=mse,
-        dp=mesh.comm("dp"), recompute=recompute, reduce_grads=reduce_grads,
+        dp=mesh.comm("dp"), recompute=recompute,
+        reduce=(lambda chunk, grads: grads) if own_grads else None,
         **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     xs, ts = batch(m, mesh.coord("dp"))
     for _ in range(steps):  # the same step again: plans cached, nothing left over

@@ -39,9 +39,11 @@ step, by passing (shape, dtype) along the virtual stages.
 Data parallelism. With ``dp``, each gradient's average over it is an all_reduce in the
 graph of its chunk's last backward, on a communicator that buckets (``bucket_bytes``):
 the planner's one bucket rule packs them, and starts each bucket as soon as its last
-gradient is computed, so it travels while the rest of the backward runs. With
-``reduce_grads=False`` the gradients stay each replica's own (the loss is still averaged
-over dp): ZeRO-1 (:class:`~fuelspmd.optim.ZeRO1`) reduce-scatters them itself.
+gradient is computed, so it travels while the rest of the backward runs. ``reduce=``
+replaces that averaging: ``reduce(chunk, grads)`` is built into the same graph instead,
+and the step returns what it gives (ZeRO-1's reduce-scatters,
+:meth:`~fuelspmd.optim.ZeRO1.reduce`, overlap the backward the same way); the loss is
+still averaged over dp.
 
 Timing. After a barrier, each action's compute (receives done, sends not started) is timed
 with ``time.perf_counter``; :meth:`timeline` gathers every rank's times into a
@@ -72,6 +74,7 @@ from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_byt
 from fuelspmd.pipeline_parallel.microbatch import (
     Key,
     LossFn,
+    ReduceFn,
     StepResult,
     StepRun,
 )
@@ -89,18 +92,19 @@ class PipelineExecutor:
     """Runs ``schedule`` on this rank of ``comm`` (the pipeline group); see the module docs.
 
     ``stages[j]`` is chunk ``j`` of this rank (``schedule.chunks`` of them), a Module.
-    With ``dp`` (size > 1) the loss is averaged over it, and the gradients too (unless
-    ``reduce_grads=False``), in buckets of at most ``bucket_bytes``, started inside each
-    chunk's last backward. ``dropout``: the stages' Dropout key, set to micro-batch ``i``
-    (``rng.set_step(rng.step, i)``) before each forward of micro-batch ``i``, recomputed
-    ones included, so every micro-batch draws its own masks and a recomputed forward the
-    same ones (the caller sets the step). Collective: every rank of ``comm`` (and of
-    ``dp``) constructs its executor at the same point, with the same schedule.
+    With ``dp`` (size > 1) the loss is averaged over it, and the gradients too, in buckets
+    of at most ``bucket_bytes``, started inside each chunk's last backward; or, given
+    ``reduce``, ``reduce(chunk, grads)`` there instead. ``dropout``: the stages' Dropout
+    key, set to micro-batch ``i`` (``rng.set_step(rng.step, i)``) before each forward of
+    micro-batch ``i``, recomputed ones included, so every micro-batch draws its own masks
+    and a recomputed forward the same ones (the caller sets the step). Collective: every
+    rank of ``comm`` (and of ``dp``) constructs its executor at the same point, with the
+    same schedule.
     """
 
     def __init__(self, schedule: Schedule, *, comm: Communicator, stages: Sequence[Module],
                  loss: LossFn, dp: Communicator | None = None, recompute: bool = False,
-                 reduce_grads: bool = True, bucket_bytes: int = DP_BUCKET_BYTES,
+                 reduce: ReduceFn | None = None, bucket_bytes: int = DP_BUCKET_BYTES,
                  dropout: DropoutRNG | None = None) -> None:
         validate(schedule)
         check_bucket_bytes(bucket_bytes)
@@ -123,7 +127,7 @@ class PipelineExecutor:
         self.dp = dp
         self.loss = loss
         self.recompute = bool(recompute)
-        self.reduce_grads = bool(reduce_grads)
+        self.reduce = reduce
         self.dropout = dropout
         self.stages = list(stages)
         self._p2p = comm.split(0, comm.rank)  # collective: a private channel
@@ -227,8 +231,7 @@ class PipelineExecutor:
         if self._dp is not None:
             self._dp.times = []
         run = StepRun(s, self.stages, self._params(), self.loss, recompute=self.recompute,
-                      dp=self._dp if self.reduce_grads else None, xs=xs, ts=ts,
-                      dropout=self.dropout)
+                      dp=self._dp, reduce=self.reduce, xs=xs, ts=ts, dropout=self.dropout)
         p2p.barrier()
         t0 = self._t0 = time.perf_counter()
         times: dict[Any, tuple[float, float]] = {}
@@ -263,6 +266,7 @@ class PipelineExecutor:
         self._last = run.finish(t0)  # the dp stamps, before the loss's own dp call
         self._last.loss = self._share_loss(run)
         self._last.times = times
+        self._last.started = t0
         return self._last
 
     def _post(self, k: int) -> dict[Key, Tensor]:

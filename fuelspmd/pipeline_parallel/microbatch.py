@@ -20,11 +20,12 @@ from fuelspmd.graph.node import Node, leaf
 from fuelspmd.pipeline_parallel.actions import Action, Schedule
 from fuelspmd.tensor import Tensor, realize
 
-__all__ = ["Key", "StepResult", "StepRun"]
+__all__ = ["Key", "ReduceFn", "StepResult", "StepRun"]
 
 Key = tuple[str, int, int]
 StageFn = Callable[[Tensor], Tensor]  # a stage Module's forward
 LossFn = Callable[[Tensor, Tensor], Tensor]
+ReduceFn = Callable[[int, list[Tensor]], list[Tensor]]  # (chunk, its gradients) -> lazy
 
 
 @dataclass
@@ -32,12 +33,15 @@ class StepResult:
     """What one :meth:`PipelineExecutor.step` gives every rank of the pipeline.
 
     ``loss``: the mean over micro-batches of ``loss(y_i, target_i)`` (and over ``dp``).
-    ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised.
+    ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised (or,
+    with the executor's ``reduce``, what it gave for chunk ``j``).
     ``times[a]``: (start, end) of action ``a``'s compute, seconds after the step's barrier.
     ``peak_saved_bytes``: the most bytes of saved activations this rank held at once.
     ``peak_run_bytes``: the most bytes the graph executor held inside one action's realise
     (its working set, beside the saved activations; the process's executor, so a
     DeviceGroup's devices share one figure).
+    ``started``: ``time.perf_counter()`` at the barrier ``times`` count from (to place
+    other perf_counter stamps, such as a Communicator's ``record_times``, on them).
     ``reduces``: ``(chunk, call, issued, done)`` of each dp gradient all-reduce call (a
     bucket is one call), seconds after the step's barrier (empty without ``dp``).
     """
@@ -48,6 +52,7 @@ class StepResult:
     peak_saved_bytes: int = 0
     reduces: list[tuple[int, int, float, float]] = field(default_factory=list)
     peak_run_bytes: int = 0
+    started: float = 0.0
 
 
 @dataclass
@@ -74,9 +79,10 @@ class StepRun:
     def __init__(self, schedule: Schedule, stages: Sequence[StageFn],
                  params: Sequence[Sequence[Tensor]], loss: LossFn, *, recompute: bool,
                  dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None,
-                 dropout: Any = None) -> None:
+                 reduce: ReduceFn | None = None, dropout: Any = None) -> None:
         self.schedule, self.stages, self.params, self.loss = schedule, stages, params, loss
         self.recompute, self.dp, self.xs, self.ts = recompute, dp, xs, ts
+        self.reduce = reduce
         self.dropout = dropout
         self.peak_run = 0
         self.saved: dict[tuple[int, int], _Saved] = {}
@@ -193,12 +199,18 @@ class StepRun:
 
     def _accumulate(self, chunk: int, grads: Sequence[Tensor], *more: Tensor) -> None:
         """Add one micro-batch's weight gradients (realising ``more`` with them); at the
-        chunk's last micro-batch, average them over dp in the same graph."""
+        chunk's last micro-batch, ``reduce`` them, or average them over dp, in the same
+        graph."""
         prev = self.acc[chunk]
         new = list(grads) if prev is None else [a + g for a, g in zip(prev, grads)]
         self.count[chunk] += 1
         dp = self.dp
-        if dp is not None and self.count[chunk] == self.schedule.microbatches:
+        if self.count[chunk] < self.schedule.microbatches:
+            realize(*more, *new)
+        elif self.reduce is not None:
+            new = self.reduce(chunk, new)
+            realize(*more, *new)
+        elif dp is not None:
             first = len(dp.times)
             new = [dp.all_reduce(g, "avg") for g in reversed(new)][::-1]
             realize(*more, *new)

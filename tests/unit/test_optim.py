@@ -16,9 +16,11 @@ import fuelspmd as fs
 from fuelspmd import nn, optim
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.pipeline_parallel import PipelineExecutor, schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import optim_programs as OP
+import pipeline_programs as PP
 
 pytestmark = pytest.mark.timeout(120)
 SHAPES = [(4, 3), (3,), (3, 2)]
@@ -363,3 +365,45 @@ def test_without_a_mesh_the_specs_communicators_are_summed_over() -> None:
     for with_mesh, without in DeviceGroup.cpu(2, timeout=30).run(
             lambda c: (OP.clip(c, 0.5)["norm"], OP.clip(c, 0.5, mesh=False)["norm"])):
         assert with_mesh == without
+
+
+def test_zero1_in_a_pipeline_reduce_scatters_inside_the_last_backward() -> None:
+    """dp 2 x pp 2: ``PipelineExecutor(reduce=zero.reduce)`` then ``step(reduced=True)``
+    gives the parameters of the executor's dp average then AdamW, over 3 steps; each
+    bucket's reduce-scatter (one per parameter here) is issued inside the stage's last
+    backward action, as the dp all-reduce buckets are."""
+    def body(comm: fs.Communicator) -> dict[str, Any]:
+        mesh = fs.Mesh(comm, pp=2, dp=2)
+        pp, dpc = mesh.comm("pp"), mesh.comm("dp")
+        v, sched = pp.rank, schedule("1f1b", 2, 4)
+        full = PP.full_params(2)
+        plain, sharded = (PP.Stage(*full[v], last=v == 1, device=pp.device) for _ in "ab")
+        ex_a = PipelineExecutor(sched, comm=pp, stages=[plain], loss=PP.mse, dp=dpc)
+        opt_a = optim.AdamW(plain.parameters(), lr=1e-2)
+        zdp = fs.Communicator(dpc.split(0, dpc.rank).transport, device=dpc.device,
+                              record_times=True)
+        opt_b = optim.ZeRO1(optim.AdamW(sharded.parameters(), lr=1e-2), dp=zdp,
+                            bucket_bytes=1)
+        ex_b = PipelineExecutor(sched, comm=pp, stages=[sharded], loss=PP.mse, dp=dpc,
+                                reduce=opt_b.reduce)
+        xs, ts = PP.batch(4, mesh.coord("dp"))
+        ins, outs = (xs if v == 0 else None), (ts if v == 1 else None)
+        windows = []
+        for _ in range(3):
+            opt_a.step(ex_a.step(ins, outs).grads[0])
+            assert zdp.times is not None
+            zdp.times.clear()
+            res = ex_b.step(ins, outs)
+            issued = [t - res.started for t, _ in zdp.times]
+            last = [a for a in sched.actions[v] if a.kind == "B"][-1]
+            windows.append((issued, *res.times[last]))
+            opt_b.step(res.grads[0], reduced=True)
+        return {"a": [p.numpy() for p in plain.parameters()],
+                "b": [p.numpy() for p in sharded.parameters()], "windows": windows}
+
+    for got in DeviceGroup.cpu(4, timeout=30).run(body):
+        for x, y in zip(got["a"], got["b"]):
+            np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14)
+        for issued, start, end in got["windows"]:
+            assert len(issued) == 2 and all(start <= t <= end for t in issued), \
+                (issued, start, end)

@@ -61,11 +61,11 @@ def test_dp_buckets_start_in_the_last_backward_and_give_the_same_numbers(
         P.check_buckets(got["result"], sched, rank % 2, buckets=2)
 
 
-def test_reduce_grads_false_leaves_each_replicas_own_gradients() -> None:
-    """What ZeRO-1 reduce-scatters itself: each replica's gradients, whose dp mean is the
-    averaged step's; the loss is still the dp mean."""
+def test_reduce_replaces_the_dp_average() -> None:
+    """``reduce=`` (here the identity) replaces the dp all-reduce: each replica's own
+    gradients, whose dp mean is the averaged step's; the loss is still the dp mean."""
     outs = DeviceGroup.cpu(4, timeout=TIMEOUT).run(
-        lambda c: P.run(c, "1f1b", 4, 1, dp=2, reduce_grads=False))
+        lambda c: P.run(c, "1f1b", 4, 1, dp=2, own_grads=True))
     for pp_rank in (0, 1):
         a, b = outs[pp_rank], outs[2 + pp_rank]  # dp 0 and dp 1 of that stage
         assert a["loss"] == b["loss"]

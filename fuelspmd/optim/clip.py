@@ -48,12 +48,17 @@ def spread_over(p: Parameter, mesh: Mesh | None) -> Communicator | None:
     return mesh.comm(spec.axis)
 
 
-def squares(parts: Iterable[tuple[Tensor, Communicator | None]], device: Any
+def squares(parts: Iterable[tuple[Tensor, Communicator | None]], device: Any,
+            comms: Sequence[Communicator | None] = ()
             ) -> tuple[Tensor, list[tuple[Communicator, Tensor]]]:
     """Float64 sums of squares of ``(gradient, comm)`` pairs: the replicated total and one
-    per communicator the sharded ones are spread over, in first-seen order."""
+    per communicator the sharded ones are spread over, in first-seen order after those of
+    ``comms`` (each of which gets a sum, zero if no part is spread over it: ranks whose
+    parts differ still reduce the same list)."""
     rep = zeros((), device=device, dtype=float64)
-    by: dict[int, tuple[Communicator, Tensor]] = {}
+    by: dict[int, tuple[Communicator, Tensor]] = {
+        id(c): (c, zeros((), device=device, dtype=float64))
+        for c in comms if c is not None and c.size > 1}
     for g, comm in parts:
         g64 = g.astype(float64)
         s = (g64 * g64).sum()

@@ -208,7 +208,10 @@ class ZeRO1:
         if max_norm is not None:
             parts = [(piece, spread_over(params[i], mesh))
                      for b, g in zip(self.buckets, gs) for i, piece in self._pieces(b, g)]
-            rep, sharded = squares(parts, gs[0].device)
+            # every sharded parameter's communicator, so each dp rank (whatever its
+            # slices hold) all-reduces the same list
+            rep, sharded = squares(parts, gs[0].device,
+                                   [spread_over(p, mesh) for p in params])
             norm = global_norm(rep, sharded, mesh=mesh, dp=dp)
             gs = clip_by(gs, max_norm, norm)
         outs: list[Tensor] = []

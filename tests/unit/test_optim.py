@@ -407,3 +407,50 @@ def test_zero1_in_a_pipeline_reduce_scatters_inside_the_last_backward() -> None:
         for issued, start, end in got["windows"]:
             assert len(issued) == 2 and all(start <= t <= end for t in issued), \
                 (issued, start, end)
+
+
+def test_zero1_clips_a_tp_sharded_model_whose_dp_slices_hold_different_kinds() -> None:
+    """dp 2 x tp 2, one bucket: dp rank 0's slice holds only the tp-split weight, rank 1's
+    only replicated ones, so their partial sums differ in kind; the norm and the
+    parameters equal clip_grad_norm + AdamW on the dp-mean gradient."""
+    shapes = [((4, 16), 1), ((8,), None), ((8,), None), ((16,), None)]  # 32 + 32 local
+
+    def body(comm: fs.Communicator) -> tuple[list[float], list[float], list[np.ndarray],
+                                             list[np.ndarray]]:
+        mesh = fs.Mesh(comm, tp=2, dp=2)
+        tpc, r = mesh.comm("tp"), mesh.coord("dp")
+
+        def build() -> list[nn.Parameter]:
+            out = []
+            for k, (shape, dim) in enumerate(shapes):
+                spec = nn.Spec(shape) if dim is None else nn.Spec(shape, dim, axis="tp",
+                                                                   comm=tpc)
+                full = np.random.default_rng([9, k]).standard_normal(shape)
+                out.append(nn.Parameter(np.ascontiguousarray(spec.shard(full)), spec=spec,
+                                        device=comm.device))
+            return out
+
+        def grads(ps: list[nn.Parameter], step: int, replica: int) -> list[np.ndarray]:
+            return [np.ascontiguousarray(p.spec.shard(
+                np.random.default_rng([step, replica, k]).standard_normal(p.full_shape)))
+                for k, p in enumerate(ps)]
+
+        plain, sharded = build(), build()
+        opt_a = optim.AdamW(plain, lr=1e-2)
+        opt_b = optim.ZeRO1(optim.AdamW(sharded, lr=1e-2), dp=mesh.comm("dp"))
+        norms_a, norms_b = [], []
+        for step in range(4):
+            mean = [fs.tensor((a + b) / 2, device=comm.device)
+                    for a, b in zip(grads(plain, step, 0), grads(plain, step, 1))]
+            clipped, norm = optim.clip_grad_norm(plain, mean, 1.0, mesh=mesh)
+            opt_a.step(clipped)
+            norms_a.append(norm)
+            own = [fs.tensor(g, device=comm.device) for g in grads(sharded, step, r)]
+            norms_b.append(opt_b.step(own, max_norm=1.0, mesh=mesh))
+        return norms_a, norms_b, [p.numpy() for p in plain], [p.numpy() for p in sharded]
+
+    for norms_a, norms_b, a, b in DeviceGroup.cpu(4, timeout=30).run(body):
+        np.testing.assert_allclose(norms_b, norms_a, rtol=1e-13)
+        assert min(norms_a) > 1.0  # clipped every step
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.errors import ConfigError
-from fuelspmd.tensor import realize
+from fuelspmd.tensor import Tensor, realize
 
 from .parameter import Parameter
 from .recompute import checkpoint
@@ -160,5 +160,5 @@ class Module:
             raise ConfigError(f"{type(self).__name__}.load_state_dict: "
                               + "; ".join(problems) + ". Give one array per name in "
                               "named_parameters(), full or this rank's shard")
-        for p, value in plan:
-            p.assign(value)
+        for p, value in plan:  # a Tensor is converted like an array: loading casts
+            p.assign(value.astype(p.dtype).to(p.device) if isinstance(value, Tensor) else value)

@@ -243,3 +243,11 @@ def test_a_recomputed_block_redraws_its_forward_masks() -> None:
 
     for a, b in zip(grads(True), grads(False)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_load_state_dict_takes_tensors_and_casts_like_arrays() -> None:
+    lin = nn.Linear(2, 3, empty=True)  # float32
+    lin.load_state_dict({"weight": fs.tensor(np.ones((2, 3))), "bias": np.arange(3.0)})
+    assert lin.weight.dtype is fs.float32 and lin.bias.dtype is fs.float32
+    np.testing.assert_array_equal(lin(fs.tensor(np.ones((1, 2), np.float32))).numpy(),
+                                  [[2.0, 3.0, 4.0]])

@@ -31,6 +31,9 @@ from fuelspmd.tensor import Tensor, tensor
 
 __all__ = ["Parameter", "Spec"]
 
+_get_node = Tensor.node.__get__  # type: ignore[attr-defined]  # Tensor's own slot
+_set_node = Tensor.node.__set__  # type: ignore[attr-defined]
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -137,22 +140,21 @@ class Parameter(Tensor):
                              f"{spec.local_shape}")
         self.spec = spec
         self._meta = (local, dt, dev)
-        if data is not None:
-            Tensor.node.__set__(self, t.node)  # type: ignore[attr-defined]
+        _set_node(self, None if data is None else t.node)
 
     # the node is a property so a Parameter with no value yet fails with a typed error at
-    # the first use, whatever the use is
+    # the first use, whatever the use is (an empty one holds None in Tensor's slot)
     @property  # type: ignore[override]
     def node(self) -> Node:
-        try:
-            return Tensor.node.__get__(self, Parameter)  # type: ignore[attr-defined,no-any-return]
-        except AttributeError:
+        n = _get_node(self)
+        if n is None:
             raise ConfigError(f"Parameter {self.shape} ({self.dtype}) has no value yet: fill "
-                              "it with assign() or Module.load_state_dict() first") from None
+                              "it with assign() or Module.load_state_dict() first")
+        return n  # type: ignore[no-any-return]
 
     @node.setter
     def node(self, value: Node) -> None:
-        Tensor.node.__set__(self, value)  # type: ignore[attr-defined]
+        _set_node(self, value)
 
     @property
     def shape(self) -> Shape:
@@ -169,11 +171,7 @@ class Parameter(Tensor):
     @property
     def filled(self) -> bool:
         """Whether the Parameter holds a value (one built from a spec alone does not)."""
-        try:
-            Tensor.node.__get__(self, Parameter)  # type: ignore[attr-defined]
-        except AttributeError:
-            return False
-        return True
+        return _get_node(self) is not None
 
     @property
     def full_shape(self) -> Shape:

@@ -83,16 +83,12 @@ class PagedTransformer:
                  store: PagedKVStore) -> fs.Tensor:
         """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``."""
         dev = self.comm.device
-        b, t = tokens.shape
+        t = tokens.shape[1]
         pos = np.asarray(starts)[:, None] + np.arange(t)[None, :]
         x = self.embed.take(fs.tensor(tokens, device=dev), 0) + \
             self.pos.take(fs.tensor(pos, device=dev), 0)
         for layer, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
-            hl, d = attn.local_heads, attn.head_dim
-            xc = tp.copy_to_tp(layer_norm(x), comm=self.comm)
-            q, k, v = (lin.local(xc).reshape(b, t, hl, d) for lin in (attn.q, attn.k, attn.v))
-            ctx = store.attend(layer, q, k, v, tables=tables, starts=starts)
-            x = x + attn.out(ctx.reshape(b, t, hl * d))
+            x = x + attn(layer_norm(x), cache=store.view(layer, tables=tables, starts=starts))
             x = x + mlp(layer_norm(x))
         return layer_norm(x[:, t - 1]) @ self.head
 
@@ -112,9 +108,10 @@ def generate(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     manager = KVCacheManager(len(prompts) * k * per_seq + 1, bs,
                              enable_prefix_caching=not args.no_prefix_cache)
     coord = KVCacheCoordinator(manager, comm=comm, every=args.check_every, mode=args.coordinate)
+    kv_heads, head_dim = model.attn[0].cache_heads  # what this rank stores per token
     store = PagedKVStore(num_layers=args.layers, num_blocks=manager.pool.num_blocks,
-                         block_size=bs, kv_heads=args.heads // comm.size,
-                         head_dim=args.hidden // args.heads, device=comm.device, dtype=DTYPE)
+                         block_size=bs, kv_heads=kv_heads, head_dim=head_dim,
+                         device=comm.device, dtype=DTYPE)
     seqs = list(range(len(prompts) * k))
     out: list[list[int]] = [[] for _ in seqs]
     computed, ttft, peak = 0, [], 0

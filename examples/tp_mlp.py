@@ -44,7 +44,8 @@ def train(comm: Any, args: argparse.Namespace) -> list[float]:
         grads = fs.grad(loss, params)
         new = [p - args.lr * g for p, g in zip(params, grads)]
         fs.realize(loss, *new)  # forward, backward and update: one graph
-        mlp.set_parameters(new)
+        for p, v in zip(params, new):
+            p.assign(v)  # the parameter's value replaced in place
         losses.append(float(loss.numpy()))
         fs.rank_print(comm, json.dumps({"step": step, "tp": comm.size,
                                         "loss": round(losses[-1], 6)}))  # rank 0 only

@@ -7,16 +7,27 @@ The same program runs with ranks as processes or as devices of one process::
     mpiexec -n 8 python examples/train.py --dp 2      # dp 2 x pp 2 x tp 2
     python examples/train.py --devices cpu:4          # four devices of one process
     mpiexec -n 4 python examples/train.py --check     # first step == one process?
+    mpiexec -n 8 python examples/train.py --dp 2 --zero --dropout 0.1   # ZeRO-1
+    python examples/train.py --dtype bfloat16 --recompute   # 16-bit, recomputed blocks
 
-The model: a vocabulary-parallel embedding plus a learned position embedding, ``--layers``
-pre-norm blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))`` (ParallelAttention and ParallelMLP,
-heads and hidden features split over ``tp``), a final layer norm and a column-parallel LM
-head whose vocabulary-split logits go straight into ``vocab_parallel_cross_entropy`` (the
-full logits are never gathered). The blocks are cut into ``pp * chunks`` virtual stages
-run by a :class:`~fuelspmd.pipeline_parallel.PipelineExecutor`; the first holds the
-embeddings, the last the head and loss. Every rank builds its layers from the same full
-weights (:func:`full_weights`, a function of ``--seed``), so the numbers do not depend on
-the mesh, which is what ``--check`` verifies.
+The model, written with :mod:`fuelspmd.nn`: a vocabulary-parallel embedding plus a learned
+position embedding, ``--layers`` pre-norm blocks ``x + drop(attn(ln(x)))``,
+``x + drop(mlp(ln(x)))`` (ParallelAttention and ParallelMLP, heads and hidden features
+split over ``tp``), a final layer norm and a column-parallel LM head whose vocabulary-split
+logits go straight into ``vocab_parallel_cross_entropy`` (the full logits are never
+gathered). The blocks are cut into ``pp * chunks`` virtual stages, each a :class:`Stage`
+Module, run by a :class:`~fuelspmd.pipeline_parallel.PipelineExecutor`; the first holds
+the embeddings, the last the head and loss. Every rank builds its layers from the same
+full weights (:func:`full_weights`, a function of ``--seed``) and keeps its shards, so the
+numbers do not depend on the mesh, which is what ``--check`` verifies: each parameter's
+spec cuts its shard out of the one-process gradient.
+
+Training, with :mod:`fuelspmd.optim`: AdamW over this rank's parameters (``--zero``:
+ZeRO-1, its state sharded over dp), the learning rate warmed up linearly then decayed by a
+cosine, the gradient clipped by its global norm over the mesh (``--clip``); 16-bit
+``--dtype`` keeps float32 master weights in the optimiser, and float16 scales the loss
+dynamically (a step with an inf or nan is skipped on every rank). The summary gives rank
+0's peak bytes of saved activations, of the graph's working set and of optimiser state.
 
 The task, generated in code: arithmetic sequences ``x_t = (s + k t) mod V`` with a random
 start ``s`` and stride ``k`` in ``1..K`` per sequence. The model sees ``x_0 .. x_{T-1}`` and
@@ -44,13 +55,12 @@ from rich.progress import Progress as RichProgress
 from threadpoolctl import threadpool_limits
 
 import fuelspmd as fs
+from fuelspmd import nn, optim
 from fuelspmd import tensor_parallel as tp
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
-from fuelspmd.functional import layer_norm
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule, simulate
 from fuelspmd.pipeline_parallel.render import chrome_trace
-from fuelspmd.transport import SelfTransport
 
 STRIDES = 3  # k in 1..STRIDES
 
@@ -66,6 +76,7 @@ class Config:
     layers: int = 4
     seq: int = 8
     dtype: str = "float32"
+    dropout: float = 0.0
 
 
 # ---- data and weights: functions of the seed alone, so every rank agrees ----------------
@@ -112,93 +123,73 @@ def full_weights(cfg: Config, seed: int) -> dict[str, Any]:
             * 0.1, "blocks": blocks, "lnf": ln(), "head": lin(d, cfg.vocab)}
 
 
-# ---- one virtual stage ------------------------------------------------------------------
-class Stage:
-    """Layers ``lo .. hi - 1`` of the model on one TP rank, plus the embeddings when
-    ``first`` and the final norm and head when ``last``.
+# ---- the model: nn Modules -------------------------------------------------------------
+class Block(nn.Module):
+    """``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``: heads and hidden features
+    split over ``comm`` (tp). The dropouts act on replicated activations (after the
+    attention's and the MLP's all-reduce), so every TP rank draws the same mask.
+    ``recompute``: the block's forward runs again in the backward instead of its
+    intermediates being kept (``Module.recompute``)."""
 
-    ``split[k]`` says how parameter ``k`` is sharded over tp (None: replicated; else the
-    axis of the full array it is a block of), so a check can slice the full gradients.
-    The executor hands the current parameters to :meth:`__call__`, which installs them in
-    the layers before the forward (an optimiser step replaces them each step).
-    """
+    def __init__(self, cfg: Config, w: dict[str, Any], *, index: int, comm: Communicator,
+                 rng: nn.DropoutRNG, recompute: bool) -> None:
+        kw: dict[str, Any] = {"device": comm.device, "dtype": cfg.dtype}
+        self.ln1 = nn.LayerNorm(cfg.hidden, full=w["ln1"], **kw)
+        self.attn = tp.ParallelAttention(cfg.hidden, cfg.heads, full=w["attn"], comm=comm,
+                                         dtype=cfg.dtype)
+        self.ln2 = nn.LayerNorm(cfg.hidden, full=w["ln2"], **kw)
+        self.mlp = tp.ParallelMLP(cfg.hidden, cfg.ffn, full=w["mlp"], comm=comm,
+                                  dtype=cfg.dtype)
+        self.drop1 = nn.Dropout(cfg.dropout, rng=rng, layer=2 * index)
+        self.drop2 = nn.Dropout(cfg.dropout, rng=rng, layer=2 * index + 1)
+        self.recompute = recompute
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        return x + self.drop2(self.mlp(self.ln2(x)))
+
+
+class Stage(nn.Module):
+    """Blocks ``lo .. hi - 1`` of the model on one TP rank, plus the embeddings (a
+    vocabulary-parallel token embedding and a replicated position embedding) when
+    ``first`` and the final norm and column-parallel head when ``last``. Every layer is
+    built from the full weights (``w``, the same on every rank) and keeps its shard; each
+    Parameter's spec says how, so nothing else needs to know."""
 
     def __init__(self, cfg: Config, w: dict[str, Any], lo: int, hi: int, *, first: bool,
-                 last: bool, comm: Communicator) -> None:
-        kw: dict[str, Any] = {"comm": comm, "dtype": cfg.dtype}
+                 last: bool, comm: Communicator, rng: nn.DropoutRNG | None = None,
+                 recompute: bool = False) -> None:
         self.cfg, self.first, self.last, self.comm = cfg, first, last, comm
-        self.modules: list[Any] = []
-        self.split: list[int | None] = []
+        rng = nn.DropoutRNG() if rng is None else rng
         if first:
-            self.emb = tp.VocabParallelEmbedding(cfg.vocab, cfg.hidden, full=w["emb"], **kw)
-            self._add(self.emb, [0])
-            self.pos = self._plain(w["pos"])
-        self.blocks = []
-        for b in w["blocks"][lo:hi]:
-            blk = (self._plain(*b["ln1"]), tp.ParallelAttention(cfg.hidden, cfg.heads,
-                                                                full=b["attn"], **kw),
-                   self._plain(*b["ln2"]), tp.ParallelMLP(cfg.hidden, cfg.ffn,
-                                                          full=b["mlp"], **kw))
-            self._add(blk[1], [1, 0] * 3 + [0, None])
-            self._add(blk[3], [1, 0, 0, None])
-            self.blocks.append(blk)
+            self.emb = tp.VocabParallelEmbedding(cfg.vocab, cfg.hidden, full=w["emb"],
+                                                 comm=comm, dtype=cfg.dtype)
+            self.pos = nn.Parameter(fs.tensor(w["pos"], device=comm.device, dtype=cfg.dtype))
+        self.blocks = [Block(cfg, w["blocks"][i], index=i, comm=comm, rng=rng,
+                             recompute=recompute) for i in range(lo, hi)]
         if last:
-            self.lnf = self._plain(*w["lnf"])
+            self.lnf = nn.LayerNorm(cfg.hidden, full=w["lnf"], device=comm.device,
+                                    dtype=cfg.dtype)
             self.head = tp.ColumnParallelLinear(cfg.hidden, cfg.vocab, full=tuple(w["head"]),
-                                                **kw)
-            self._add(self.head, [1, 0])
+                                                comm=comm, dtype=cfg.dtype)
 
-    def _plain(self, *arrays: np.ndarray) -> _Plain:
-        p = _Plain([fs.tensor(a.astype(self.cfg.dtype), device=self.comm.device)
-                    for a in arrays])
-        self._add(p, [None] * len(arrays))
-        return p
-
-    def _add(self, module: Any, split: list[int | None]) -> None:
-        self.modules.append(module)
-        self.split += split
-
-    def parameters(self) -> list[fs.Tensor]:
-        """Return this stage's local parameter shards, in a fixed order."""
-        return [p for m in self.modules for p in m.parameters()]
-
-    def set_parameters(self, params: list[fs.Tensor]) -> None:
-        """Install ``params`` (in :meth:`parameters` order) in the layers."""
-        i = 0
-        for m in self.modules:
-            n = len(m.parameters())
-            m.set_parameters(params[i:i + n])
-            i += n
-
-    def __call__(self, params: Any, x: fs.Tensor) -> fs.Tensor:
-        self.set_parameters(list(params))
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
         if self.first:
-            x = self.emb(x) + self.pos.params[0]
-        for ln1, attn, ln2, mlp in self.blocks:
-            x = x + attn(layer_norm(x, *ln1.params))
-            x = x + mlp(layer_norm(x, *ln2.params))
+            x = self.emb(x) + self.pos
+        for block in self.blocks:
+            x = block(x)
         if self.last:
-            x = self.head(layer_norm(x, *self.lnf.params))
+            x = self.head(self.lnf(x))
         return x
 
     def loss(self, logits: fs.Tensor, targets: fs.Tensor) -> fs.Tensor:
-        """Mean next-token cross-entropy of this rank's vocabulary block of the logits."""
+        """Mean next-token cross-entropy of this rank's vocabulary block of the logits, in
+        float32 at least (a 16-bit softmax over the vocabulary loses the small terms)."""
         b, t, k = logits.shape
-        return tp.vocab_parallel_cross_entropy(logits.reshape(b * t, k), targets,
-                                               comm=self.comm)
-
-
-class _Plain:
-    """Replicated parameters (layer norm, position embedding) with the layers' interface."""
-
-    def __init__(self, params: list[fs.Tensor]) -> None:
-        self.params = params
-
-    def parameters(self) -> list[fs.Tensor]:
-        return list(self.params)
-
-    def set_parameters(self, params: list[fs.Tensor]) -> None:
-        self.params = list(params)
+        z = logits.reshape(b * t, k)
+        if z.dtype.itemsize < 4:
+            z = z.astype(fs.float32)
+        return tp.vocab_parallel_cross_entropy(z, targets, comm=self.comm)
 
 
 def stage_layers(cfg: Config, stages: int) -> list[tuple[int, int]]:
@@ -212,31 +203,9 @@ def stage_layers(cfg: Config, stages: int) -> list[tuple[int, int]]:
     return [(v * n, (v + 1) * n) for v in range(stages)]
 
 
-# ---- Adam -------------------------------------------------------------------------------
-class Adam:
-    """Adam on lazy tensors: the update of every parameter is one realised graph."""
-
-    def __init__(self, lr: float, *, b1: float = 0.9, b2: float = 0.99,
-                 eps: float = 1e-8) -> None:
-        self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
-        self.t = 0
-        self.m: list[fs.Tensor] | None = None
-        self.v: list[fs.Tensor] | None = None
-
-    def step(self, params: list[fs.Tensor], grads: list[fs.Tensor]) -> list[fs.Tensor]:
-        """Return the updated parameters (realised), keeping the moments."""
-        self.t += 1
-        if self.m is None or self.v is None:
-            self.m = [g * 0.0 for g in grads]
-            self.v = [g * 0.0 for g in grads]
-        b1, b2 = self.b1, self.b2
-        self.m = [m * b1 + g * (1 - b1) for m, g in zip(self.m, grads)]
-        self.v = [v * b2 + g * g * (1 - b2) for v, g in zip(self.v, grads)]
-        c1, c2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-        new = [p - (m * (self.lr / c1)) / ((v * (1 / c2)).sqrt() + self.eps)
-               for p, m, v in zip(params, self.m, self.v)]
-        fs.realize(*new, *self.m, *self.v)
-        return new
+def dropout_seed(seed: int, replica: int) -> int:
+    """The Dropout seed of data-parallel replica ``replica``: each its own masks."""
+    return seed * 65536 + replica
 
 
 # ---- the mesh, the executor, the loop ---------------------------------------------------
@@ -253,25 +222,41 @@ def plan(size: int, args: argparse.Namespace) -> tuple[int, int, int]:
 
 
 def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """One rank's program; returns its losses, step times, bubbles and check result."""
-    world = comm.comm if hasattr(comm, "comm") else comm
+    """One rank's program; returns its losses, step times, bubbles, memory and check."""
     cfg = config(args)
-    tp_, pp_, dp_ = plan(world.size, args)
+    size = comm.size
+    tp_, pp_, dp_ = plan(size, args)
     mesh = fs.Mesh(comm, tp=tp_, pp=pp_, dp=dp_)
-    tpc, ppc = mesh.comm("tp"), mesh.comm("pp")
+    world = mesh.comm_group
+    tpc, ppc, dpc = mesh.comm("tp"), mesh.comm("pp"), mesh.comm("dp")
     chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
     sched = schedule(args.schedule, pp_, args.microbatches, chunks)
     ranges = stage_layers(cfg, pp_ * chunks)
     w = full_weights(cfg, args.seed)
+    rng = nn.DropoutRNG(dropout_seed(args.seed, mesh.coord("dp")))
     vs = [j * pp_ + mesh.coord("pp") for j in range(chunks)]
-    stages = [Stage(cfg, w, *ranges[v], first=v == 0, last=v == len(ranges) - 1, comm=tpc)
-              for v in vs]
-    ex = PipelineExecutor(sched, comm=ppc, stages=stages,
-                          params=[s.parameters() for s in stages], loss=stages[-1].loss,
-                          dp=mesh.comm("dp"), recompute=tp_ > 1)
-    opt = [Adam(args.lr) for _ in stages]
+    stages = [Stage(cfg, w, *ranges[v], first=v == 0, last=v == len(ranges) - 1, comm=tpc,
+                    rng=rng, recompute=args.recompute) for v in vs]
+    scaler = optim.LossScaler() if cfg.dtype == "float16" else None
+    last_stage = stages[-1]
+
+    def loss(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
+        value = last_stage.loss(y, t)
+        return value if scaler is None else scaler.scale(value)
+
+    params = [p for st in stages for p in st.parameters()]
+    lr = optim.cosine(args.lr, args.steps, warmup=args.warmup, min_lr=args.lr / 10)
+    adam = optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
+    # ZeRO-1: the pipeline reduce-scatters each chunk's gradient buckets inside its last
+    # backward (instead of all-reducing them), and the optimiser steps on those slices
+    opt = (optim.ZeRO1(adam, dp=dpc, chunks=[len(st.parameters()) for st in stages])
+           if args.zero else adam)
+    ex = PipelineExecutor(sched, comm=ppc, stages=stages, loss=loss, dp=dpc,
+                          recompute=tp_ > 1, dropout=rng,
+                          reduce=opt.reduce if isinstance(opt, optim.ZeRO1) else None)
     first, lastv = vs[0] == 0, vs[-1] == len(ranges) - 1
-    out: dict[str, Any] = {"losses": [], "times": [], "bubbles": [], "check": None,
+    out: dict[str, Any] = {"losses": [], "times": [], "bubbles": [], "norms": [],
+                           "check": None, "skipped": 0, "peak_saved": 0, "peak_run": 0,
                            "mesh": {"tp": tp_, "pp": pp_, "dp": dp_}}
     # the schedule's own bubble with uniform action times (backward = 2 x forward), no
     # transfer cost: (p-1)/(m+p-1) for GPipe and 1F1B, divided by the chunks when interleaved
@@ -281,23 +266,41 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     fs.rank_print(world, f"mesh dp={dp_} pp={pp_} tp={tp_} ({world.size} ranks on "
                   f"{world.device.kind}), schedule {args.schedule} x{chunks}, "
                   f"{args.microbatches} micro-batches of {args.batch}, {cfg.layers} layers, "
-                  f"hidden {cfg.hidden}")
+                  f"hidden {cfg.hidden}, {cfg.dtype}{', ZeRO-1' if args.zero else ''}"
+                  f"{', recompute' if args.recompute else ''}")
     for step in range(args.steps):
         xs, ys = microbatches(args.seed, step, mesh.coord("dp"), args.microbatches,
                               args.batch, cfg)
+        rng.set_step(step)
         t0 = time.perf_counter()
         res = ex.step(xs if first else None, ys if lastv else None)
+        grads = [g for gs in res.grads for g in gs]
+        finite = True
+        if scaler is not None:
+            res.loss /= scaler.value
+            grads, finite = scaler.unscale(grads, comm=world)
+            scaler.update(finite)
         if step == 0 and args.check:
-            out["check"] = check(world, mesh, stages, vs, res.grads, res.loss, cfg, args)
-        for j, o in enumerate(opt):
-            ex.params[j] = o.step(ex.params[j], res.grads[j])
+            full = opt.gather(grads) if isinstance(opt, optim.ZeRO1) else grads
+            out["check"] = check(mesh, stages, vs, full, res.loss, cfg, args)
+        if not finite:
+            out["skipped"] += 1
+        elif isinstance(opt, optim.ZeRO1):
+            out["norms"].append(opt.step(grads, reduced=True, max_norm=args.clip, mesh=mesh))
+        else:
+            grads, norm = optim.clip_grad_norm(params, grads, args.clip, mesh=mesh)
+            opt.step(grads)
+            out["norms"].append(norm)
         dt = time.perf_counter() - t0
         timeline = ex.timeline()
         out["losses"].append(res.loss)
         out["times"].append(dt)
         out["bubbles"].append(timeline.bubble)
+        out["peak_saved"] = max(out["peak_saved"], res.peak_saved_bytes)
+        out["peak_run"] = max(out["peak_run"], res.peak_run_bytes)
         if bar is not None:
             bar.update(step, res.loss, dt, timeline.bubble)
+    out["optimizer_bytes"] = opt.state_bytes()
     if args.trace and world.rank == 0:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(timeline), f)
@@ -345,62 +348,68 @@ class Progress:
               f"measured bubble {np.median(bs[1:] or bs):.2f} (schedule's own "
               f"{out['ideal_bubble']:.2f}); the task's loss floor is {out['floor']:.3f}",
               flush=True)
+        skipped = f", {out['skipped']} steps skipped (inf/nan)" if out["skipped"] else ""
+        print(f"rank 0 peak bytes: saved activations {out['peak_saved']}, graph working "
+              f"set {out['peak_run']}, optimiser state {out['optimizer_bytes']}{skipped}",
+              flush=True)
         if out["check"] is not None:
             print(out["check"]["line"], flush=True)
 
 
 # ---- --check: the first step against one process ----------------------------------------
-def reference(cfg: Config, args: argparse.Namespace, dp: int, device: Any
-              ) -> tuple[float, list[list[np.ndarray]]]:
-    """Loss and full gradients of the first step in one process: the whole model as one
-    stage on a size-1 Communicator, every replica's micro-batches, mean of their losses."""
-    comm = Communicator(SelfTransport(), device=device)
-    whole = Stage(cfg, full_weights(cfg, args.seed), 0, cfg.layers, first=True, last=True,
-                  comm=comm)
+def reference(cfg: Config, args: argparse.Namespace, ranges: list[tuple[int, int]], dp: int,
+              solo: Communicator) -> tuple[float, list[dict[str, np.ndarray]]]:
+    """Loss and full gradients of the first step in one process: the virtual stages
+    ``ranges`` of the model on ``solo`` (a size-1 Communicator), chained, over every
+    replica's micro-batches (each with its dropout masks), the mean of their losses; the
+    gradients by virtual stage and parameter name."""
+    w = full_weights(cfg, args.seed)
+    rng = nn.DropoutRNG()
+    n = len(ranges)
+    stages = [Stage(cfg, w, lo, hi, first=v == 0, last=v == n - 1, comm=solo, rng=rng)
+              for v, (lo, hi) in enumerate(ranges)]
     losses = []
     for r in range(dp):
+        rng.seed = dropout_seed(args.seed, r)
         xs, ys = microbatches(args.seed, 0, r, args.microbatches, args.batch, cfg)
-        params = whole.parameters()
-        for x, y in zip(xs, ys):
-            logits = whole(params, fs.tensor(x, device=device))
-            losses.append(whole.loss(logits, fs.tensor(y, device=device)))
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            rng.set_step(0, i)
+            h = fs.tensor(x, device=solo.device)
+            for st in stages:
+                h = st(h)
+            losses.append(stages[-1].loss(h, fs.tensor(y, device=solo.device)))
     loss = losses[0]
     for t in losses[1:]:
         loss = loss + t
     loss = loss * (1.0 / len(losses))
-    grads = fs.grad(loss, whole.parameters())
-    fs.realize(loss, *grads)
-    # regroup the flat gradients by layer ranges, as the stages hold them
-    return float(loss.numpy()), _by_stage(cfg, [g.numpy() for g in grads])
+    named = [dict(st.named_parameters()) for st in stages]
+    grads = iter(fs.grad(loss, [p for ps in named for p in ps.values()]))
+    by_stage = [{name: next(grads) for name in ps} for ps in named]
+    fs.realize(loss, *(g for gs in by_stage for g in gs.values()))
+    return float(loss.numpy()), [{k: g.numpy() for k, g in gs.items()} for gs in by_stage]
 
 
-def _by_stage(cfg: Config, flat: list[np.ndarray]) -> list[list[np.ndarray]]:
-    """[embeddings (2), per block (16), final (4)] of the whole model."""
-    per = 16
-    return [flat[:2]] + [flat[2 + i * per: 2 + (i + 1) * per] for i in range(cfg.layers)] + \
-        [flat[2 + cfg.layers * per:]]
-
-
-def check(world: Any, mesh: Any, stages: list[Stage], vs: list[int],
-          grads: list[list[fs.Tensor]], loss: float, cfg: Config,
-          args: argparse.Namespace) -> dict[str, Any]:
-    """Compare this rank's first-step loss and gradient shards with :func:`reference`;
-    agree over all ranks (one all_reduce) so every rank reports the same verdict."""
-    ref_loss, ref = reference(cfg, args, mesh.shape["dp"], world.device)
+def check(mesh: fs.Mesh, stages: list[Stage], vs: list[int], grads: list[fs.Tensor],
+          loss: float, cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """Compare this rank's first-step loss and gradient shards (``grads``, in the order of
+    its stages' parameters) with :func:`reference`: each parameter's shard of the full
+    gradient is ``p.spec.shard(full)``. Agreed over all ranks (one all_reduce), so every
+    rank reports the same verdict. Collective over the mesh."""
+    world = mesh.comm_group
+    solo = world.split(world.rank)  # collective: a size-1 Communicator per rank
     ranges = stage_layers(cfg, len(stages) * mesh.shape["pp"])
-    r, n = mesh.coord("tp"), mesh.shape["tp"]
-    tol = 1e-9 if cfg.dtype == "float64" else 2e-4
+    ref_loss, ref = reference(cfg, args, ranges, mesh.shape["dp"], solo)
+    # 16 bits: sums in another order (TP partial sums all-reduced in the storage dtype)
+    # differ by tens of roundoffs of their largest term (bfloat16 keeps 8 bits); a wrong
+    # shard or a missing reduction is still an error of order 1
+    tol = {"float64": 1e-9, "float32": 2e-4, "float16": 5e-2, "bfloat16": 0.2}[cfg.dtype]
     worst = abs(loss - ref_loss) / max(1.0, abs(ref_loss))
-    for v, s, gs in zip(vs, stages, grads):
-        lo, hi = ranges[v]
-        want = ([*ref[0]] if s.first else []) + [g for b in ref[1 + lo:1 + hi] for g in b] + \
-            ([*ref[-1]] if s.last else [])
-        if len(want) != len(gs):
-            raise RuntimeError(f"check: stage {v} has {len(gs)} gradients, reference "
-                               f"{len(want)}")
-        for g, full, axis in zip(gs, want, s.split):
-            part = full if axis is None else np.split(full, n, axis=axis)[r]
-            err = np.abs(g.numpy() - part).max() / max(1e-3, np.abs(part).max())
+    mine = iter(grads)
+    for v, st in zip(vs, stages):
+        for name, p in st.named_parameters():
+            part = p.spec.shard(ref[v][name])
+            g = next(mine).numpy().astype(np.float64)
+            err = np.abs(g - part).max() / max(1e-3, np.abs(part).max())
             worst = max(worst, float(err))
     agreed = world.all_reduce(fs.tensor(np.array([worst]), device=world.device), "max")
     worst = float(agreed.numpy()[0])
@@ -414,7 +423,7 @@ def check(world: Any, mesh: Any, stages: list[Stage], vs: list[int],
 # ---- command line -----------------------------------------------------------------------
 def config(args: argparse.Namespace) -> Config:
     return Config(vocab=args.vocab, hidden=args.hidden, heads=args.heads, ffn=args.ffn,
-                  layers=args.layers, seq=args.seq, dtype=args.dtype)
+                  layers=args.layers, seq=args.seq, dtype=args.dtype, dropout=args.dropout)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -431,7 +440,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate of AdamW: "
+                   "linear warm-up, then cosine down to a tenth of it")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: a "
+                   "tenth of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient's global norm "
+                   "(over tp, pp and dp) to this")
+    p.add_argument("--zero", action="store_true", help="ZeRO-1: shard the optimiser state "
+                   "over dp (gradients reduce-scattered, parameters all-gathered)")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout after attention "
+                   "and MLP (masks a function of seed, step, micro-batch, layer, replica)")
+    p.add_argument("--recompute", action="store_true", help="recompute each block's "
+                   "forward in the backward instead of keeping its activations")
     p.add_argument("--devices", default=None, help="run as a DeviceGroup in this process: "
                    "'cpu:4' (a count: cpu:0 .. cpu:3) or a list 'cpu:0,cpu:1'")
     p.add_argument("--check", action="store_true", help="compare the first step's loss and "
@@ -443,11 +464,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, default in (("vocab", 16), ("hidden", 32), ("heads", 4), ("ffn", 64),
                           ("layers", 4), ("seq", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                   default="float32", help="parameters and activations; 16-bit ones train "
+                   "with float32 master weights (float16 with dynamic loss scaling)")
     args = p.parse_args(argv)
     for name in ("steps", "microbatches", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup is None:
+        args.warmup = args.steps // 10
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     return args
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "FuelError",
+    "IndexRangeError",
     "PeerAbortedError",
     "ScheduleError",
     "ShapeError",
@@ -42,6 +43,11 @@ class DTypeError(FuelError, ValueError):
 
 class DeviceError(FuelError, ValueError):
     """An unknown device, or tensors on different devices meeting in one op."""
+
+
+class IndexRangeError(FuelError, ValueError):
+    """An integer index outside its range: a class target or an embedding id not in
+    ``[0, size)`` (and not the ``ignore_index``); found on the host before the graph runs."""
 
 
 class ConfigError(FuelError, ValueError):

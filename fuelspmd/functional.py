@@ -1,21 +1,29 @@
 """Composite ops built from the primitives (layer 3); their gradients come from the
 primitives' vjps, so nothing here has a backward of its own.
 
-``gelu(approximate="none")`` uses the ``erf`` primitive, whose kernel is a rational
-(Chebyshev) approximation written against the Array API: |error| < 1.2e-7, since the
-Array API has no erf. Its vjp is the exact derivative 2/sqrt(pi)·exp(-x²).
+``gelu(approximate="none")`` uses the ``erf`` primitive (fdlibm's approximation, under one
+ulp in float64; its vjp is the exact 2/sqrt(pi)·exp(-x²)).
+
+Integer class targets and embedding ids are checked on the host before any node is built
+(:func:`check_range`): an index outside ``[0, size)`` would otherwise read a neighbouring
+row silently or fail inside numpy at run time. Targets are data every rank holds alike,
+so every rank raises the same :class:`~fuelspmd.errors.IndexRangeError`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from fuelspmd.dtypes import int64
-from fuelspmd.errors import ConfigError, DTypeError, ShapeError
-from fuelspmd.tensor import Tensor, arange, where
+import numpy as np
 
-__all__ = ["cross_entropy", "embedding", "gelu", "layer_norm", "log_softmax", "mse_loss",
-           "relu", "softmax"]
+from fuelspmd.dtypes import to_numpy
+from fuelspmd.errors import ConfigError, DTypeError, IndexRangeError, ShapeError
+from fuelspmd.tensor import Tensor, concat, tensor, where
+
+__all__ = ["ce_checks", "check_range", "cross_entropy", "embedding", "gelu", "layer_norm",
+           "log_softmax", "mse_loss", "relu", "rms_norm", "rope", "rope_tables", "silu",
+           "smoothed_nll", "softmax"]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -34,6 +42,11 @@ def gelu(x: Tensor, *, approximate: str = "tanh") -> Tensor:
     if approximate == "none":
         return 0.5 * x * (1.0 + (x * (1.0 / math.sqrt(2.0))).erf())
     raise ConfigError(f"gelu: approximate must be 'tanh' or 'none', got {approximate!r}")
+
+
+def silu(x: Tensor) -> Tensor:
+    """x·sigmoid(x) = x / (1 + exp(-x)) (SwiGLU's gate)."""
+    return x / (1.0 + (-x).exp())
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -62,23 +75,65 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     return y
 
 
-def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean over rows of -log softmax(logits)[row, target]; ``targets`` are class indices.
+def check_range(op: str, indices: Tensor, size: int, *, what: str = "index",
+                ignore_index: int | None = None) -> np.ndarray:
+    """The host values of integer ``indices``; raise IndexRangeError naming the first
+    value outside ``[0, size)`` (other than ``ignore_index``), its position and the count."""
+    if not indices.dtype.is_integer:
+        raise DTypeError(f"{op}: {what}s must be integers, got {indices.dtype}")
+    host = np.asarray(indices.numpy())
+    bad = (host < 0) | (host >= size)
+    if ignore_index is not None:
+        bad &= host != ignore_index
+    if bad.any():
+        pos = tuple(int(i) for i in np.argwhere(bad)[0])
+        skip = "" if ignore_index is None else f" and is not ignore_index={ignore_index}"
+        raise IndexRangeError(
+            f"{op}: {what} {int(host[pos])} at position {pos} is outside [0, {size}){skip} "
+            f"({int(bad.sum())} of {host.size} are); give {what}s below {size}"
+            + ("" if ignore_index is None else " or mark padding with ignore_index"))
+    return host
 
-    logits: (N, C) float; targets: (N,) integer. The pick is a gather on the flattened
-    log-probabilities at row·C + target, so its backward is a scatter-add, not a one-hot.
-    """
-    if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-        raise ShapeError(f"cross_entropy: logits must be (N, C) and targets (N,), got "
+
+def ce_checks(op: str, logits: Tensor, targets: Tensor, label_smoothing: float) -> None:
+    """The shape and smoothing checks both cross-entropies make."""
+    if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
+        raise ShapeError(f"{op}: logits must be (..., C) and targets the leading shape, got "
                          f"{logits.shape} and {targets.shape}")
-    if not targets.dtype.is_integer:
-        raise DTypeError(f"cross_entropy: targets must be integer class indices, got "
-                         f"{targets.dtype}")
-    n, c = logits.shape
-    logp = log_softmax(logits, -1).reshape(n * c)
-    rows = arange(n, device=logits.device, dtype=int64) * c
-    picked = logp.take(rows + targets.astype(int64), 0)
-    return -picked.mean()
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ConfigError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def smoothed_nll(nll: Tensor, smooth: Tensor, keep: np.ndarray, label_smoothing: float
+                 ) -> Tensor:
+    """torch's reduction: mean over kept rows of (1-ε)·nll + ε·smooth, where smooth is
+    the mean over classes of -log p (nan when no row is kept, as torch)."""
+    loss = nll if label_smoothing == 0.0 else \
+        (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    kept = int(keep.sum())
+    w = tensor(keep.astype(to_numpy(nll.dtype)), device=nll.device)
+    return (loss * w).sum() * (1.0 / kept if kept else math.nan)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0) -> Tensor:
+    """torch.nn.functional.cross_entropy of class-index targets (mean reduction).
+
+    logits: (..., C) float; targets: (...) integer in [0, C) or ``ignore_index`` (rows
+    left out of the mean). The pick is a gather on the flattened log-probabilities at
+    row·C + target, so its backward is a scatter-add, not a one-hot.
+    """
+    op = "cross_entropy"
+    ce_checks(op, logits, targets, label_smoothing)
+    c = logits.shape[-1]
+    host = check_range(op, targets, c, what="target", ignore_index=ignore_index).reshape(-1)
+    n = host.size
+    keep = host != ignore_index
+    idx = np.arange(n, dtype=np.int64) * c + np.where(keep, host, 0)
+    logp = log_softmax(logits.reshape(n, c), -1)
+    nll = -logp.reshape(n * c).take(tensor(idx, device=logits.device), 0)
+    smooth = -logp.mean(-1) if label_smoothing else nll
+    return smoothed_nll(nll, smooth, keep, label_smoothing)
 
 
 def mse_loss(pred: Tensor, target: Tensor) -> Tensor:
@@ -94,4 +149,43 @@ def embedding(indices: Tensor, weight: Tensor) -> Tensor:
     """weight[indices]: rows of a (V, D) table for integer indices of any shape."""
     if weight.ndim != 2:
         raise ShapeError(f"embedding: weight must be (V, D), got {weight.shape}")
+    check_range("embedding", indices, weight.shape[0], what="id")
     return weight.take(indices, 0)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x²) + eps) over the last axis, then ·weight (torch.nn.RMSNorm)."""
+    y = x / ((x * x).mean(-1, keepdims=True) + eps).sqrt()
+    return y if weight is None else y * weight
+
+
+def rope_tables(positions: Any, dim: int, *, base: float = 10000.0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of shape ``positions.shape + (dim,)`` in float64: angle p·base^(-2i/dim)
+    for frequency i, the half of the frequencies repeated (the rotate-half layout of
+    GPT-NeoX and Llama)."""
+    if dim % 2:
+        raise ConfigError(f"rope: the rotated dim {dim} must be even (pairs rotate)")
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    ang = np.asarray(positions, dtype=np.float64)[..., None] * inv
+    ang = np.concatenate([ang, ang], -1)
+    return np.cos(ang), np.sin(ang)
+
+
+def rope(x: Tensor, positions: Any, *, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding of ``x`` (batch, seq, heads, d) at integer ``positions``
+    (seq,) or (batch, seq): x·cos + rotate_half(x)·sin, rotate_half([a, b]) = [-b, a]."""
+    if x.ndim != 4:
+        raise ShapeError(f"rope: x must be (batch, seq, heads, head_dim), got {x.shape}")
+    b, t, _, d = x.shape
+    pos = np.asarray(positions)
+    if pos.shape not in ((t,), (b, t)):
+        raise ShapeError(f"rope: positions of shape {pos.shape} for x {x.shape}; give "
+                         f"({t},) or ({b}, {t})")
+    cos, sin = rope_tables(pos, d, base=base)
+    shape = (1, t, 1, d) if pos.ndim == 1 else (b, t, 1, d)
+    dt = to_numpy(x.dtype)
+    c = tensor(cos.reshape(shape).astype(dt), device=x.device)
+    s = tensor(sin.reshape(shape).astype(dt), device=x.device)
+    half = d // 2
+    return x * c + concat([-x[..., half:], x[..., :half]], -1) * s

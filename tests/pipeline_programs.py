@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import fuelspmd as fs
+from fuelspmd import nn
 from fuelspmd.mesh import Mesh
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule
 
@@ -41,12 +42,17 @@ def batch(m: int, replica: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
             [rng.standard_normal((MB, D_OUT)) for _ in range(m)])
 
 
-def stage(last: bool) -> Any:
-    def fn(params: Any, x: fs.Tensor) -> fs.Tensor:
-        w, b = params
-        y = x @ w + b
-        return y if last else y.tanh()
-    return fn
+class Stage(nn.Module):
+    """One virtual stage: ``tanh(x @ W + b)``, the last without the tanh."""
+
+    def __init__(self, w: np.ndarray, b: np.ndarray, *, last: bool, device: Any) -> None:
+        self.weight = nn.Parameter(w, device=device)
+        self.bias = nn.Parameter(b, device=device)
+        self.last = last
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        y = x @ self.weight + self.bias
+        return y if self.last else y.tanh()
 
 
 def mse(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
@@ -55,7 +61,7 @@ def mse(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
 
 def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 2,
         sends: str | None = None, recompute: bool = False,
-        bucket_bytes: int | None = None) -> dict[str, Any]:
+        bucket_bytes: int | None = None, own_grads: bool = False) -> dict[str, Any]:
     """One rank's program: a ``dp x pp`` mesh over ``comm``, ``steps`` steps of ``kind``
     (dp gradient buckets of ``bucket_bytes``, the executor's default when None).
 
@@ -71,9 +77,10 @@ def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 
     full = full_params(v_total)
     mine = [j * p + pp.rank for j in range(chunks)]
     ex = PipelineExecutor(
-        sched, comm=pp, stages=[stage(v == v_total - 1) for v in mine],
-        params=[list(full[v]) for v in mine], loss=mse,
+        sched, comm=pp, stages=[Stage(*full[v], last=v == v_total - 1, device=pp.device)
+                                for v in mine], loss=mse,
         dp=mesh.comm("dp"), recompute=recompute,
+        reduce=(lambda chunk, grads: grads) if own_grads else None,
         **({} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}))
     xs, ts = batch(m, mesh.coord("dp"))
     for _ in range(steps):  # the same step again: plans cached, nothing left over

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import fuelspmd as fs
+from fuelspmd import functional, nn
 from fuelspmd import tensor_parallel as tp
 
 DT = "float64"
@@ -223,6 +224,76 @@ def cross_entropy_reference(n: int) -> list[dict[str, np.ndarray]]:
     return [{"loss": np.array(loss), "dz": _block(dz, r, n, 1)} for r in range(n)]
 
 
+# ---- a tied-embedding language model ------------------------------------------------------
+def tied_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Table (V, D), ids (2, N), targets (2, N) with two ignored, and a (D, D) mixing weight."""
+    table, ids, _, _, _ = vocab_inputs()
+    targets = np.roll(ids, -1, axis=1)
+    targets[0, -1] = targets[1, 2] = -100
+    return table, ids, targets, _rng(7).standard_normal((D, D))
+
+
+def tied_program(comm: Any) -> dict[str, np.ndarray]:
+    """Embedding -> tanh(e W) -> LM head sharing the embedding's table -> loss: the head's
+    input is replicated and its logits vocabulary-split, the case a hand-written
+    ``h @ E.T`` gets wrong silently at TP 2 (no copy_to_tp: every rank's dh partial)."""
+    table, ids, targets, mix = tied_inputs()
+    dev = comm.device
+    emb = tp.VocabParallelEmbedding(V, D, comm=comm, full=table, dtype=DT)
+    head = tp.ParallelLMHead(D, V, comm=comm, tie=emb)
+    w = nn.Parameter(fs.tensor(mix, device=dev))
+    h = (emb(fs.tensor(ids, device=dev)) @ w).tanh()
+    loss = tp.vocab_parallel_cross_entropy(head(h), fs.tensor(targets, device=dev), comm=comm)
+    params = [emb.weight, w]
+    assert head.parameters() == [emb.weight]  # one Parameter, two uses
+    grads = fs.grad(loss, params)
+    fs.realize(loss, *grads)
+    return {"loss": loss.numpy(), **{f"d{i}": g.numpy() for i, g in enumerate(grads)}}
+
+
+def tied_reference(n: int) -> list[dict[str, np.ndarray]]:
+    import torch
+
+    table, ids, targets, mix = tied_inputs()
+    e = torch.tensor(table, requires_grad=True)
+    w = torch.tensor(mix, requires_grad=True)
+    h = (e[torch.tensor(ids)] @ w).tanh()
+    loss = torch.nn.functional.cross_entropy((h @ e.T).reshape(-1, V),
+                                             torch.tensor(targets).reshape(-1))
+    loss.backward()
+    return [{"loss": loss.detach().numpy(), "d0": _block(e.grad.numpy(), r, n, 0),
+             "d1": w.grad.numpy()} for r in range(n)]
+
+
+def bad_index_program(comm: Any) -> list[str]:
+    """Every out-of-range target or id, as this rank saw it: 'ErrorType: message'."""
+    dev = comm.device
+    _, ids, _, logits, targets = vocab_inputs()
+    k = V // comm.size
+    z = fs.tensor(_block(logits, comm.rank, comm.size, 1), device=dev)
+    emb = tp.VocabParallelEmbedding(V, D, comm=comm, seed=1, dtype=DT)
+    bad_t, bad_ids = targets.copy(), ids.copy()
+    bad_t[3], bad_ids[1, 2] = V, -1
+    attempts = [
+        lambda: tp.vocab_parallel_cross_entropy(z, fs.tensor(bad_t, device=dev), comm=comm),
+        lambda: functional.cross_entropy(fs.tensor(logits, device=dev),
+                                            fs.tensor(bad_t, device=dev)),
+        lambda: emb(fs.tensor(bad_ids, device=dev)),
+        lambda: functional.embedding(fs.tensor(ids + k * comm.size, device=dev),
+                                        fs.tensor(logits.T.copy(), device=dev)),
+    ]
+    seen = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except fs.IndexRangeError as e:
+            seen.append(f"{type(e).__name__}: {e}")
+        else:
+            seen.append("no error")
+    comm.barrier()  # every rank got here: none was left waiting in a collective
+    return seen
+
+
 CASES: dict[str, tuple[Callable[[Any], dict[str, np.ndarray]],
                        Callable[[int], list[dict[str, np.ndarray]]]]] = {
     "mlp": (mlp_program, mlp_reference),
@@ -230,6 +301,7 @@ CASES: dict[str, tuple[Callable[[Any], dict[str, np.ndarray]],
     "attention": (attn_program, attn_reference),
     "embedding": (embedding_program, embedding_reference),
     "cross_entropy": (cross_entropy_program, cross_entropy_reference),
+    "tied_lm": (tied_program, tied_reference),
 }
 
 

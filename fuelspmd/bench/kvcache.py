@@ -60,11 +60,7 @@ class _Model:
         x = self.embed.take(tensor(np.asarray([tokens]), device=dev), 0) + \
             self.pos.take(tensor(np.arange(start, start + t)[None, :], device=dev), 0)
         for layer, attn in enumerate(self.attn):
-            h, d = attn.local_heads, attn.head_dim
-            xn = layer_norm(x)
-            q, k, v = (lin.local(xn).reshape(1, t, h, d) for lin in (attn.q, attn.k, attn.v))
-            ctx = store.attend(layer, q, k, v, tables=[table], starts=[start])
-            x = x + attn.out(ctx.reshape(1, t, h * d))
+            x = x + attn(layer_norm(x), cache=store.view(layer, tables=[table], starts=[start]))
         return layer_norm(x[:, t - 1]) @ self.head
 
 

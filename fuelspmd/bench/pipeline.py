@@ -71,6 +71,7 @@ from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
 from fuelspmd.launch import init
 from fuelspmd.mesh import Mesh
+from fuelspmd.nn import Module, Parameter
 from fuelspmd.pipeline_parallel import PipelineExecutor, partition, schedule, simulate
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES
 from fuelspmd.pipeline_parallel.render import chrome_trace
@@ -83,22 +84,26 @@ def _layer(w: Tensor, b: Tensor, x: Tensor) -> Tensor:
     return (x @ w + b).tanh()
 
 
-def _stage(first: bool, layers: int) -> Any:
-    """A stage: on the first, the gain ``x * g``; then ``layers`` of ``tanh(x @ W + b)``.
+class _Stage(Module):
+    """A stage: on the first, the gain ``x * g``; then layers of ``tanh(x @ W + b)``.
 
-    Params are ``[g]`` (first stage only) then ``W, b`` per layer. Every stage computes the
-    gradient of its first layer's input: on stages > 0 it goes to the previous stage, on
-    the first it gives ``dg`` (the gain is why the first stage is not lighter by one of its
-    ``3 * layers`` matmuls).
+    ``params`` are ``[g]`` (first stage only) then ``W, b`` per layer. Every stage computes
+    the gradient of its first layer's input: on stages > 0 it goes to the previous stage,
+    on the first it gives ``dg`` (the gain is why the first stage is not lighter by one of
+    its ``3 * layers`` matmuls).
     """
-    def fn(params: list[Tensor], x: Tensor) -> Tensor:
-        k = 0
-        if first:
-            x, k = x * params[0], 1
-        for j in range(layers):
-            x = _layer(params[k + 2 * j], params[k + 2 * j + 1], x)
+
+    def __init__(self, first: bool, params: list[np.ndarray], device: Any) -> None:
+        self.first = first
+        self.params = [Parameter(a, device=device) for a in params]
+
+    def forward(self, x: Tensor) -> Tensor:
+        ps, k = self.params, int(self.first)
+        if self.first:
+            x = x * ps[0]
+        for j in range((len(ps) - k) // 2):
+            x = _layer(ps[k + 2 * j], ps[k + 2 * j + 1], x)
         return x
-    return fn
 
 
 def _mse(y: Tensor, t: Tensor) -> Tensor:
@@ -170,7 +175,7 @@ def run(*, microbatches: int, hidden: int, batch: int, layers: int, steps: int, 
     data = np.random.default_rng([7, mesh.coord("dp")])
     xs = [data.standard_normal((batch, hidden)).astype(np.float32) for _ in range(m)]
     execs = {kind: PipelineExecutor(schedule(kind, p, m), comm=pp,
-                                    stages=[_stage(pp.rank == 0, len(mine))], params=[params],
+                                    stages=[_Stage(pp.rank == 0, params, world.device)],
                                     loss=_mse, dp=dpc, bucket_bytes=bucket_bytes)
              for kind in ("gpipe", "1f1b")}
     figures: dict[str, dict[str, list[float]]] = {k: {} for k in execs}

@@ -41,7 +41,7 @@ from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
 from fuelspmd.functional import softmax
 from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
 
-__all__ = ["MASKED", "PagedKVStore"]
+__all__ = ["MASKED", "LayerStep", "PagedKVStore"]
 
 MASKED = -1e9  # additive mask: exp underflows to exactly 0 in float32 and float64
 
@@ -136,27 +136,33 @@ class PagedKVStore:
                 self.write(layer, dst, k, v)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, *,
-               tables: Sequence[Sequence[int]], starts: Sequence[int]) -> Tensor:
+               tables: Sequence[Sequence[int]], starts: Sequence[int],
+               scale: float | None = None) -> Tensor:
         """Write the new tokens' k/v, then causal attention of ``q`` over each sequence.
 
-        ``q``, ``k``, ``v``: ``[batch, t, heads, head_dim]`` for the tokens at positions
+        ``k``, ``v``: ``[batch, t, kv_heads, head_dim]`` and ``q``: ``[batch, t, heads,
+        head_dim]`` (``heads`` a multiple of ``kv_heads``: query head j reads key/value head
+        ``j // (heads / kv_heads)``, grouped-query attention) for the tokens at positions
         ``starts[i] .. starts[i]+t-1`` of sequence i (t = 1 when decoding, the uncached
         part of the prompt at prefill). Each query at position p attends to the sequence's
         keys at positions 0..p, read through ``tables[i]``:
-        ``softmax(q K^T / sqrt(head_dim) + M) V``, M = ``MASKED`` past p and on the padding
-        that makes the sequences one length. Returns ``[batch, t, heads, head_dim]``.
+        ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by default), M =
+        ``MASKED`` past p and on the padding that makes the sequences one length. Returns
+        ``[batch, t, heads, head_dim]``.
         """
         b, t, h, d = q.shape
-        if (h, d) != (self.kv_heads, self.head_dim) or k.shape != q.shape or \
-                v.shape != q.shape:
-            raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape} "
-                             f"must all be (batch, t, {self.kv_heads}, {self.head_dim})")
+        kv = self.kv_heads
+        want = (b, t, kv, self.head_dim)
+        if d != self.head_dim or h % kv or k.shape != want or v.shape != want:
+            raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape}: k "
+                             f"and v must be {want} and q (batch, t, a multiple of {kv}, "
+                             f"{self.head_dim})")
         if len(tables) != b or len(starts) != b:
             raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
                              f"starts for a batch of {b}; give one of each per sequence")
         new = np.concatenate([self.slots(tables[i], starts[i], starts[i] + t)
                               for i in range(b)])
-        self.write(layer, new, k.reshape(b * t, h, d), v.reshape(b * t, h, d))
+        self.write(layer, new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
         length = max(starts) + t
         idx = np.zeros((b, length), dtype=np.int64)
         mask = np.full((b, 1, t, length), MASKED)
@@ -165,13 +171,27 @@ class PagedKVStore:
             idx[i, :n] = self.slots(tables[i], 0, n)
             pos = starts[i] + np.arange(t)
             mask[i, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
-        keys, values = self.gather(layer, idx)             # (b, L, h, d)
+        keys, values = self.gather(layer, idx)             # (b, L, kv, d)
+
+        def heads(y: Tensor) -> Tensor:  # (b, L, kv, d) -> (b, h, L, d), each head repeated
+            y = y.transpose(0, 2, 1, 3)
+            if kv == h:
+                return y
+            return y.reshape(b, kv, 1, length, d).broadcast_to(
+                (b, kv, h // kv, length, d)).reshape(b, h, length, d)
+
         qh = q.transpose(0, 2, 1, 3)                        # (b, h, t, d)
-        kt = keys.transpose(0, 2, 3, 1)                     # (b, h, d, L)
-        scores = (qh @ kt) * (1.0 / math.sqrt(d))
+        scores = (qh @ heads(keys).transpose(0, 1, 3, 2)) * (
+            1.0 / math.sqrt(d) if scale is None else scale)
         m = tensor(mask.astype(to_numpy(self.dtype)), device=self.device, dtype=self.dtype)
         p = softmax(scores + m, -1)
-        return (p @ values.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        return (p @ heads(values)).transpose(0, 2, 1, 3)
+
+    def view(self, layer: int, *, tables: Sequence[Sequence[int]], starts: Sequence[int]
+             ) -> LayerStep:
+        """One layer's cache for one step (what ``ParallelAttention(x, cache=...)`` takes)."""
+        self._layer(layer)
+        return LayerStep(self, layer, tables, starts)
 
     # ---- helpers ----------------------------------------------------------------------
     def _layer(self, layer: int) -> None:
@@ -188,3 +208,22 @@ class PagedKVStore:
                                    (0, pages.shape)))
         return where(where_t, spread, pages)
 
+
+
+class LayerStep:
+    """A store's layer at one step: the positions of the step's tokens and attention over
+    the cached keys, for an attention layer that knows nothing of pages."""
+
+    def __init__(self, store: PagedKVStore, layer: int, tables: Sequence[Sequence[int]],
+                 starts: Sequence[int]) -> None:
+        self.store, self.layer = store, layer
+        self.tables, self.starts = [list(t) for t in tables], [int(s) for s in starts]
+
+    def positions(self, t: int) -> np.ndarray:
+        """(batch, t): sequence i's new tokens sit at ``starts[i] .. starts[i] + t - 1``."""
+        return np.asarray(self.starts)[:, None] + np.arange(t)[None, :]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None
+               ) -> Tensor:
+        return self.store.attend(self.layer, q, k, v, tables=self.tables, starts=self.starts,
+                                 scale=scale)

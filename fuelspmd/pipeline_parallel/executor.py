@@ -1,11 +1,14 @@
 """``PipelineExecutor``: run any :class:`Schedule` for real over a pipeline Communicator.
 
-Layer 7. One executor per rank of the pipeline group; each holds the stage functions and
-parameters of its chunks (virtual stage ``j * p + rank`` is chunk ``j``). A stage is a
-callable ``(params, x) -> y`` built from lazy Tensors; the last virtual stage's output goes
-into ``loss(y, target) -> scalar``. :meth:`PipelineExecutor.step` walks
-``schedule.steps(rank)`` and returns the mean loss over the micro-batches and the gradients
-of that mean, accumulated over micro-batches (and averaged over ``dp`` when given).
+Layer 7. One executor per rank of the pipeline group; each holds the stages of its chunks
+(virtual stage ``j * p + rank`` is chunk ``j``). A stage is an :class:`~fuelspmd.nn.Module`,
+``stage(x) -> y`` built from lazy Tensors; the last virtual stage's output goes into
+``loss(y, target) -> scalar``. :meth:`PipelineExecutor.step` walks ``schedule.steps(rank)``
+and returns the mean loss over the micro-batches and the gradients of that mean with
+respect to each chunk's ``stage.parameters()``, accumulated over micro-batches (and
+averaged over ``dp`` when given). The parameters are read from the stages at every step:
+an optimiser replaces their values in place between steps
+(:meth:`~fuelspmd.nn.Parameter.assign`), and the next step differentiates at the new ones.
 
 Saved activations. The backward of a micro-batch is built at its forward, while the lazy
 history is still there: ``fs.vjp(y, [x, *params], ct)`` with the cotangent ``ct`` a leaf
@@ -36,7 +39,11 @@ step, by passing (shape, dtype) along the virtual stages.
 Data parallelism. With ``dp``, each gradient's average over it is an all_reduce in the
 graph of its chunk's last backward, on a communicator that buckets (``bucket_bytes``):
 the planner's one bucket rule packs them, and starts each bucket as soon as its last
-gradient is computed, so it travels while the rest of the backward runs.
+gradient is computed, so it travels while the rest of the backward runs. ``reduce=``
+replaces that averaging: ``reduce(chunk, grads)`` is built into the same graph instead,
+and the step returns what it gives (ZeRO-1's reduce-scatters,
+:meth:`~fuelspmd.optim.ZeRO1.reduce`, overlap the backward the same way); the loss is
+still averaged over dp.
 
 Timing. After a barrier, each action's compute (receives done, sends not started) is timed
 with ``time.perf_counter``; :meth:`timeline` gathers every rank's times into a
@@ -60,12 +67,14 @@ from fuelspmd.comm import Communicator
 from fuelspmd.dtypes import DType, Shape
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.graph import default_executor
+from fuelspmd.nn import DropoutRNG, Module, Parameter
 from fuelspmd.pipeline_parallel.actions import Message, Schedule
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
 from fuelspmd.pipeline_parallel.microbatch import (
     Key,
     LossFn,
-    StageFn,
+    ReduceFn,
     StepResult,
     StepRun,
 )
@@ -82,17 +91,21 @@ _META = 32  # int64 words of a shape message: ndim, up to 15 dims, dtype name
 class PipelineExecutor:
     """Runs ``schedule`` on this rank of ``comm`` (the pipeline group); see the module docs.
 
-    ``stages[j]`` and ``params[j]`` are chunk ``j`` of this rank (``schedule.chunks`` of
-    each), parameters in forward order. With ``dp`` (size > 1) the gradients are averaged
-    over it in buckets of at most ``bucket_bytes``, started inside each chunk's last
-    backward. Collective: every rank of ``comm`` (and of ``dp``) constructs its executor
-    at the same point, with the same schedule.
+    ``stages[j]`` is chunk ``j`` of this rank (``schedule.chunks`` of them), a Module.
+    With ``dp`` (size > 1) the loss is averaged over it, and the gradients too, in buckets
+    of at most ``bucket_bytes``, started inside each chunk's last backward; or, given
+    ``reduce``, ``reduce(chunk, grads)`` there instead. ``dropout``: the stages' Dropout
+    key, set to micro-batch ``i`` (``rng.set_step(rng.step, i)``) before each forward of
+    micro-batch ``i``, recomputed ones included, so every micro-batch draws its own masks
+    and a recomputed forward the same ones (the caller sets the step). Collective: every
+    rank of ``comm`` (and of ``dp``) constructs its executor at the same point, with the
+    same schedule.
     """
 
-    def __init__(self, schedule: Schedule, *, comm: Communicator, stages: Sequence[StageFn],
-                 params: Sequence[Sequence[Any]], loss: LossFn,
-                 dp: Communicator | None = None, recompute: bool = False,
-                 bucket_bytes: int = DP_BUCKET_BYTES) -> None:
+    def __init__(self, schedule: Schedule, *, comm: Communicator, stages: Sequence[Module],
+                 loss: LossFn, dp: Communicator | None = None, recompute: bool = False,
+                 reduce: ReduceFn | None = None, bucket_bytes: int = DP_BUCKET_BYTES,
+                 dropout: DropoutRNG | None = None) -> None:
         validate(schedule)
         check_bucket_bytes(bucket_bytes)
         if comm.size != schedule.stages:
@@ -100,18 +113,23 @@ class PipelineExecutor:
                 f"PipelineExecutor: the schedule has {schedule.stages} stages but the "
                 f"pipeline Communicator has {comm.size} ranks; build the schedule with "
                 f"stages={comm.size} (e.g. mesh.comm('pp').size)")
-        for name, items in (("stages", stages), ("params", params)):
-            if len(items) != schedule.chunks:
-                raise ConfigError(
-                    f"PipelineExecutor: {len(items)} {name} given but the schedule has "
-                    f"{schedule.chunks} chunk(s) per rank; give one per chunk")
+        if len(stages) != schedule.chunks:
+            raise ConfigError(
+                f"PipelineExecutor: {len(stages)} stages given but the schedule has "
+                f"{schedule.chunks} chunk(s) per rank; give one per chunk")
+        for j, st in enumerate(stages):
+            if not isinstance(st, Module):
+                raise TypeError(f"PipelineExecutor: stage {j} is a {type(st).__name__}, not "
+                                "an nn.Module; write the stage as a Module whose forward(x) "
+                                "uses its Parameters")
         self.schedule = schedule
         self.comm = comm
         self.dp = dp
         self.loss = loss
         self.recompute = bool(recompute)
+        self.reduce = reduce
+        self.dropout = dropout
         self.stages = list(stages)
-        self.params: list[list[Tensor]] = [[self._leaf(p) for p in ps] for ps in params]
         self._p2p = comm.split(0, comm.rank)  # collective: a private channel
         agree(self._p2p.transport, "PipelineExecutor", timeout=comm.timeout,
               schedule=(schedule.kind, schedule.stages, schedule.microbatches,
@@ -132,6 +150,18 @@ class PipelineExecutor:
         self._last: StepResult | None = None
 
     # ---- helpers ----------------------------------------------------------------------
+    def _params(self) -> list[list[Parameter]]:
+        """Each chunk's parameters now, realised, on the pipeline's device."""
+        out = [st.parameters() for st in self.stages]
+        for j, ps in enumerate(out):
+            for p in ps:
+                if p.device != self.comm.device:
+                    raise ConfigError(f"PipelineExecutor: a parameter of stage {j} is on "
+                                      f"{p.device} but the pipeline runs on "
+                                      f"{self.comm.device}; build the stage on that device")
+        realize(*(p for ps in out for p in ps))
+        return out
+
     def _leaf(self, x: Any) -> Tensor:
         t = x if isinstance(x, Tensor) else tensor(x, device=self.comm.device)
         if t.device != self.comm.device:
@@ -160,8 +190,7 @@ class PipelineExecutor:
                 meta = p2p.recv((_META,), "int64", s.rank_of(v - 1), tag=(base + v) % self._bound)
                 io[v] = _decode(meta.numpy())
             shape, dt = io[v]  # type: ignore[misc]
-            y = self.stages[v // s.stages](self.params[v // s.stages],
-                                           zeros(shape, device=self.comm.device, dtype=dt))
+            y = self.stages[v // s.stages](zeros(shape, device=self.comm.device, dtype=dt))
             io[v + 1] = (y.shape, y.dtype)
             if v + 1 < V and s.rank_of(v + 1) != rank:
                 sends.append(p2p.send(tensor(_encode(y.shape, y.dtype), device=p2p.device),
@@ -201,8 +230,8 @@ class PipelineExecutor:
                              "the micro-batch shape fixed")
         if self._dp is not None:
             self._dp.times = []
-        run = StepRun(s, self.stages, self.params, self.loss, recompute=self.recompute,
-                      dp=self._dp, xs=xs, ts=ts)
+        run = StepRun(s, self.stages, self._params(), self.loss, recompute=self.recompute,
+                      dp=self._dp, reduce=self.reduce, xs=xs, ts=ts, dropout=self.dropout)
         p2p.barrier()
         t0 = self._t0 = time.perf_counter()
         times: dict[Any, tuple[float, float]] = {}
@@ -221,6 +250,7 @@ class PipelineExecutor:
             out = run.action(st.action, {key: values.pop(key) for key in _needs(s, st)
                                          if key in values})
             times[st.action] = (start - t0, time.perf_counter() - t0)
+            run.peak_run = max(run.peak_run, default_executor().peak_bytes)
             for msg in st.sends:
                 tok = p2p.send(out.pop((msg.what, msg.vstage, msg.microbatch)), msg.dst,
                                tag=self._tag(msg))
@@ -236,6 +266,7 @@ class PipelineExecutor:
         self._last = run.finish(t0)  # the dp stamps, before the loss's own dp call
         self._last.loss = self._share_loss(run)
         self._last.times = times
+        self._last.started = t0
         return self._last
 
     def _post(self, k: int) -> dict[Key, Tensor]:

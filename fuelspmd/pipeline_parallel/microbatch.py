@@ -20,11 +20,12 @@ from fuelspmd.graph.node import Node, leaf
 from fuelspmd.pipeline_parallel.actions import Action, Schedule
 from fuelspmd.tensor import Tensor, realize
 
-__all__ = ["Key", "StepResult", "StepRun"]
+__all__ = ["Key", "ReduceFn", "StepResult", "StepRun"]
 
 Key = tuple[str, int, int]
-StageFn = Callable[[Sequence[Tensor], Tensor], Tensor]
+StageFn = Callable[[Tensor], Tensor]  # a stage Module's forward
 LossFn = Callable[[Tensor, Tensor], Tensor]
+ReduceFn = Callable[[int, list[Tensor]], list[Tensor]]  # (chunk, its gradients) -> lazy
 
 
 @dataclass
@@ -32,9 +33,15 @@ class StepResult:
     """What one :meth:`PipelineExecutor.step` gives every rank of the pipeline.
 
     ``loss``: the mean over micro-batches of ``loss(y_i, target_i)`` (and over ``dp``).
-    ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised.
+    ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised (or,
+    with the executor's ``reduce``, what it gave for chunk ``j``).
     ``times[a]``: (start, end) of action ``a``'s compute, seconds after the step's barrier.
     ``peak_saved_bytes``: the most bytes of saved activations this rank held at once.
+    ``peak_run_bytes``: the most bytes the graph executor held inside one action's realise
+    (its working set, beside the saved activations; the process's executor, so a
+    DeviceGroup's devices share one figure).
+    ``started``: ``time.perf_counter()`` at the barrier ``times`` count from (to place
+    other perf_counter stamps, such as a Communicator's ``record_times``, on them).
     ``reduces``: ``(chunk, call, issued, done)`` of each dp gradient all-reduce call (a
     bucket is one call), seconds after the step's barrier (empty without ``dp``).
     """
@@ -44,6 +51,8 @@ class StepResult:
     times: dict[Action, tuple[float, float]] = field(default_factory=dict)
     peak_saved_bytes: int = 0
     reduces: list[tuple[int, int, float, float]] = field(default_factory=list)
+    peak_run_bytes: int = 0
+    started: float = 0.0
 
 
 @dataclass
@@ -59,7 +68,8 @@ class _Saved:
 class StepRun:
     """The state of one step on one rank: saved activations and accumulated gradients.
 
-    ``stages[j]``/``params[j]`` are chunk ``j`` of this rank; ``xs``/``ts`` the micro-batch
+    ``stages[j]``/``params[j]`` are chunk ``j`` of this rank (its Module and that Module's
+    parameters, which it reads when called); ``xs``/``ts`` the micro-batch
     inputs (rank of virtual stage 0) and targets (rank of the last one). With ``dp``, the
     chunk's gradients are averaged over it as its last micro-batch accumulates them: one
     all_reduce per gradient, last parameter first, in that action's graph, so the planner
@@ -68,9 +78,13 @@ class StepRun:
 
     def __init__(self, schedule: Schedule, stages: Sequence[StageFn],
                  params: Sequence[Sequence[Tensor]], loss: LossFn, *, recompute: bool,
-                 dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None) -> None:
+                 dp: Any, xs: list[Tensor] | None, ts: list[Tensor] | None,
+                 reduce: ReduceFn | None = None, dropout: Any = None) -> None:
         self.schedule, self.stages, self.params, self.loss = schedule, stages, params, loss
         self.recompute, self.dp, self.xs, self.ts = recompute, dp, xs, ts
+        self.reduce = reduce
+        self.dropout = dropout
+        self.peak_run = 0
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.acc: list[list[Tensor] | None] = [None] * schedule.chunks
         self.count = [0] * schedule.chunks  # micro-batches accumulated per chunk
@@ -111,7 +125,7 @@ class StepRun:
             x = self.xs[i]
         assert x is not None
         x = x.realize()
-        y = self.stages[chunk](self.params[chunk], x)
+        y = self._call(chunk, i, x)
         last = v == s.virtual_stages - 1
         out = self._loss(y, i) if last else y
         if last:
@@ -136,6 +150,12 @@ class StepRun:
         self.live += sv.nbytes
         self.peak = max(self.peak, self.live)
         return {} if last else {("act", v, i): y}
+
+    def _call(self, chunk: int, i: int, x: Tensor) -> Tensor:
+        """Chunk ``chunk``'s stage on micro-batch ``i``'s input, its Dropout keyed by ``i``."""
+        if self.dropout is not None:
+            self.dropout.set_step(self.dropout.step, i)
+        return self.stages[chunk](x)
 
     def _loss(self, y: Tensor, i: int) -> Tensor:
         assert self.ts is not None
@@ -170,7 +190,7 @@ class StepRun:
                 sv.ct.buffer = g.realize().node.buffer
                 sv.ct = None
             return
-        y = self.stages[chunk](self.params[chunk], sv.x)
+        y = self._call(chunk, i, sv.x)
         if last:
             self._build(v, sv, y, self._loss(y, i))
         else:
@@ -179,12 +199,18 @@ class StepRun:
 
     def _accumulate(self, chunk: int, grads: Sequence[Tensor], *more: Tensor) -> None:
         """Add one micro-batch's weight gradients (realising ``more`` with them); at the
-        chunk's last micro-batch, average them over dp in the same graph."""
+        chunk's last micro-batch, ``reduce`` them, or average them over dp, in the same
+        graph."""
         prev = self.acc[chunk]
         new = list(grads) if prev is None else [a + g for a, g in zip(prev, grads)]
         self.count[chunk] += 1
         dp = self.dp
-        if dp is not None and self.count[chunk] == self.schedule.microbatches:
+        if self.count[chunk] < self.schedule.microbatches:
+            realize(*more, *new)
+        elif self.reduce is not None:
+            new = self.reduce(chunk, new)
+            realize(*more, *new)
+        elif dp is not None:
             first = len(dp.times)
             new = [dp.all_reduce(g, "avg") for g in reversed(new)][::-1]
             realize(*more, *new)
@@ -205,7 +231,7 @@ class StepRun:
             for (chunk, first), end in zip(self.reduced, ends):
                 for b, (issued, done) in enumerate(self.dp.times[first:end]):
                     reduces.append((chunk, b, issued - t0, done - t0))
-        return StepResult(math.nan, grads, {}, self.peak, reduces)
+        return StepResult(math.nan, grads, {}, self.peak, reduces, self.peak_run)
 
 
 def _empty_like(y: Tensor) -> Any:

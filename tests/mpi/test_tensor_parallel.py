@@ -50,3 +50,20 @@ def test_every_rank_raises_the_same_config_error(world: fs.World) -> None:
                                           f"size {n}"):
         tp.ColumnParallelLinear(4, bad, comm=world.comm)
     world.comm.barrier()  # every rank got here: nobody was left in a collective
+
+
+def test_every_rank_raises_the_same_index_range_error(world: fs.World) -> None:
+    """Out-of-range targets and ids: the typed error, the same on every rank, before any
+    collective (the program ends in a barrier every rank reaches)."""
+    if P.V % world.comm.size:
+        pytest.skip(f"the vocabulary does not divide by {world.comm.size} ranks")
+    seen = P.bad_index_program(world.comm)
+    assert all(s.startswith("IndexRangeError: ") for s in seen), seen
+    assert world.comm.size == 1 or len({tuple(x) for x in _gather(world, seen)}) == 1
+
+
+def _gather(world: fs.World, seen: list[str]) -> list[list[str]]:
+    """Every rank's messages, through the transport-independent object path of mpi4py."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.allgather(seen)

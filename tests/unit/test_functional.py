@@ -83,10 +83,10 @@ def test_gradients_match_finite_differences(name: str, device: str) -> None:
         np.testing.assert_allclose(g.numpy(), num, rtol=1e-5, atol=1e-6)
 
 
-def test_erf_is_accurate_to_about_1e7() -> None:
+def test_erf_is_accurate_to_float64_rounding() -> None:
     a = np.linspace(-6, 6, 20001)
     got = fs.tensor(a).erf().numpy()
-    assert np.max(np.abs(got - _erf(a))) < 1.3e-7
+    assert np.max(np.abs(got - _erf(a))) <= 2.3e-16
     assert got[0] == -1.0 or abs(got[0] + 1) < 1e-12
 
 
@@ -101,9 +101,9 @@ def test_float32_training_quantities() -> None:
 def test_caller_mistakes() -> None:
     with pytest.raises(fs.ConfigError, match="approximate"):
         F.gelu(fs.tensor(X), approximate="fast")
-    with pytest.raises(fs.ShapeError, match=r"\(N, C\)"):
+    with pytest.raises(fs.ShapeError, match=r"\(\.\.\., C\)"):
         F.cross_entropy(fs.tensor(X), fs.tensor(TARGETS[:3]))
-    with pytest.raises(fs.DTypeError, match="class indices"):
+    with pytest.raises(fs.DTypeError, match="targets must be integers"):
         F.cross_entropy(fs.tensor(X), fs.tensor(X[:, 0]))
     with pytest.raises(fs.ShapeError, match="differ"):
         F.mse_loss(fs.tensor(X), fs.tensor(T[:2]))

@@ -119,7 +119,7 @@ def test_forward_matches_numpy(name: str, device: str) -> None:
     got = fn(*_leaves(arrays, device)).numpy()
     want = np.asarray(ref(*arrays))
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-7, atol=2e-7 if name == "erf" else 1e-12)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-12)
 
 
 def _value(fn: Callable[..., fs.Tensor], arrays: list[np.ndarray], device: str,

@@ -17,9 +17,9 @@ LAYERS = {
     "graph": 2,
     "tensor": 3, "autograd": 3, "functional": 3,
     "comm": 4,
-    "topology": 5, "cost": 5, "device_group": 5, "launch": 5,
+    "topology": 5, "cost": 5, "device_group": 5, "launch": 5, "nn": 5,
     "mesh": 6,
-    "tensor_parallel": 7, "pipeline_parallel": 7, "distributed_cache": 7,
+    "tensor_parallel": 7, "pipeline_parallel": 7, "distributed_cache": 7, "optim": 7,
     "cli": 8, "bench": 8, "__main__": 8,
 }
 PLUGIN_MAY_IMPORT = {"fuelspmd", "fuelspmd.transport", "fuelspmd.errors", "fuelspmd.dtypes",

@@ -11,11 +11,13 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import fuelspmd as fs
+from fuelspmd import nn
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.mesh import Mesh
@@ -57,6 +59,64 @@ def test_dp_buckets_start_in_the_last_backward_and_give_the_same_numbers(
     for rank, got in enumerate(outs):
         P.check(got, 2 * chunks, 4, dp=2)
         P.check_buckets(got["result"], sched, rank % 2, buckets=2)
+
+
+def test_reduce_replaces_the_dp_average() -> None:
+    """``reduce=`` (here the identity) replaces the dp all-reduce: each replica's own
+    gradients, whose dp mean is the averaged step's; the loss is still the dp mean."""
+    outs = DeviceGroup.cpu(4, timeout=TIMEOUT).run(
+        lambda c: P.run(c, "1f1b", 4, 1, dp=2, own_grads=True))
+    for pp_rank in (0, 1):
+        a, b = outs[pp_rank], outs[2 + pp_rank]  # dp 0 and dp 1 of that stage
+        assert a["loss"] == b["loss"]
+        mean = {v: [(x + y) / 2 for x, y in zip(a["grads"][v], b["grads"][v])]
+                for v in a["grads"]}
+        assert not np.allclose(a["grads"][pp_rank][0], b["grads"][pp_rank][0])
+        P.check({"loss": a["loss"], "grads": mean}, 2, 4, dp=2)
+
+
+class _Dropped(nn.Module):
+    """``dropout(x) @ W``: a stage whose masks the executor keys by micro-batch."""
+
+    def __init__(self, w: np.ndarray, rng: nn.DropoutRNG, device: Any) -> None:
+        self.drop = nn.Dropout(0.5, rng=rng, layer=0)
+        self.weight = nn.Parameter(w, device=device)
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        return self.drop(x) @ self.weight
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dropout_is_keyed_by_micro_batch_at_the_forward_and_its_recompute(
+        recompute: bool) -> None:
+    """The gradient equals one process's with ``rng.set_step(step, i)`` before micro-batch
+    i's forward: each micro-batch its own masks, the recomputed forward the same ones."""
+    rng_w = np.random.default_rng(4)
+    w, xs = rng_w.standard_normal((6, 3)), [rng_w.standard_normal((5, 6)) for _ in range(3)]
+    ts = [np.zeros((5, 3))] * 3
+
+    def body(comm: fs.Communicator) -> np.ndarray:
+        rng = nn.DropoutRNG(7)
+        stage = _Dropped(w, rng, comm.device)
+        ex = PipelineExecutor(schedule("1f1b", 1, 3), comm=comm, stages=[stage], loss=P.mse,
+                              recompute=recompute, dropout=rng)
+        rng.set_step(5)
+        return ex.step(xs, ts).grads[0][0].numpy()
+
+    (got,) = DeviceGroup.cpu(1, timeout=TIMEOUT).run(body)
+    rng = nn.DropoutRNG(7)
+    ref = _Dropped(w, rng, "cpu:0")
+    total = None
+    for i, (x, t) in enumerate(zip(xs, ts)):
+        rng.set_step(5, i)
+        term = P.mse(ref(fs.tensor(x)), fs.tensor(t)) * (1 / 3)
+        total = term if total is None else total + term
+    assert total is not None
+    np.testing.assert_allclose(got, fs.grad(total, [ref.weight])[0].numpy(), rtol=1e-12)
+    rng.set_step(5, 0)
+    one = ref.drop(fs.tensor(np.ones((5, 6)))).numpy()
+    rng.set_step(5, 1)
+    assert not np.array_equal(one, ref.drop(fs.tensor(np.ones((5, 6)))).numpy())
 
 
 def test_bucket_bytes_must_be_positive() -> None:
@@ -106,21 +166,32 @@ def test_measured_timeline_covers_the_schedule_in_order() -> None:
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * p * m
 
 
-def _linear(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
-    return x @ params[0]
+class _Linear(nn.Module):
+    """``x @ W``, its collective-free stage; ``tp`` given: the mean over tp of identical
+    replicas, an all_reduce inside the stage."""
+
+    def __init__(self, w: np.ndarray, device: Any, tp: fs.Communicator | None = None) -> None:
+        self.weight = nn.Parameter(w, device=device)
+        self.tp = tp
+
+    def forward(self, x: fs.Tensor) -> fs.Tensor:
+        y = x @ self.weight
+        return y if self.tp is None else self.tp.all_reduce(y) * (1.0 / self.tp.size)
 
 
 def test_bad_configuration_is_refused() -> None:
     def body(comm: fs.Communicator) -> None:
-        w = [np.eye(3)]
+        lin = _Linear(np.eye(3), comm.device)
         with pytest.raises(ConfigError, match=r"schedule has 3 stages but .* 2 ranks"):
-            PipelineExecutor(schedule("gpipe", 3, 2), comm=comm, stages=[_linear],
-                             params=[w], loss=P.mse)
+            PipelineExecutor(schedule("gpipe", 3, 2), comm=comm, stages=[lin], loss=P.mse)
         with pytest.raises(ConfigError, match="1 stages given but the schedule has 2 chunk"):
-            PipelineExecutor(schedule("interleaved", 2, 2, 2), comm=comm, stages=[_linear],
-                             params=[w, w], loss=P.mse)
-        ex = PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[_linear],
-                              params=[w], loss=lambda y, t: y - t)
+            PipelineExecutor(schedule("interleaved", 2, 2, 2), comm=comm, stages=[lin],
+                             loss=P.mse)
+        with pytest.raises(TypeError, match=r"stage 0 is a function, not an nn\.Module"):
+            PipelineExecutor(schedule("gpipe", 2, 2), comm=comm,
+                             stages=[lambda x: x], loss=P.mse)  # type: ignore[list-item]
+        ex = PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[lin],
+                              loss=lambda y, t: y - t)
         if comm.rank == 0:
             with pytest.raises(ConfigError, match="rank 0 needs inputs, one per micro-batch: "
                                                   "2, got 1"):
@@ -133,8 +204,8 @@ def test_bad_configuration_is_refused() -> None:
 
 def test_a_loss_that_is_not_scalar_is_refused() -> None:
     def body(comm: fs.Communicator) -> None:
-        ex = PipelineExecutor(schedule("gpipe", 1, 1), comm=comm, stages=[_linear],
-                              params=[[np.eye(3)]], loss=lambda y, t: y - t)
+        ex = PipelineExecutor(schedule("gpipe", 1, 1), comm=comm,
+                              stages=[_Linear(np.eye(3), comm.device)], loss=lambda y, t: y - t)
         with pytest.raises(ShapeError, match=r"loss gave shape \(1, 3\)"):
             ex.step([np.ones((1, 3))], [np.ones((1, 3))])
 
@@ -149,13 +220,9 @@ def test_a_collective_in_a_stage_needs_recompute() -> None:
 
     def body(comm: fs.Communicator, recompute: bool) -> float:
         mesh = Mesh(comm, tp=2)
-        tp = mesh.comm("tp")
-
-        def stage(params: list[fs.Tensor], x: fs.Tensor) -> fs.Tensor:
-            return tp.all_reduce(x @ params[0]) * 0.5  # the mean of identical replicas
-
+        stage = _Linear(w, comm.device, tp=mesh.comm("tp"))
         ex = PipelineExecutor(schedule("1f1b", 1, 2), comm=mesh.comm("pp"), stages=[stage],
-                              params=[[w]], loss=P.mse, recompute=recompute)
+                              loss=P.mse, recompute=recompute)
         out = ex.step([x, 2 * x], [t, t])
         return out.loss, out.grads[0][0].numpy()
 
@@ -201,7 +268,7 @@ def test_tags_past_the_transport_bound_fold_and_still_meet_in_order() -> None:
     xs = [np.array([[float(i)]]) for i in range(m)]
 
     def body(comm: fs.Communicator) -> tuple[float, np.ndarray]:
-        ex = PipelineExecutor(sched, comm=comm, stages=[_linear], params=[[w]],
+        ex = PipelineExecutor(sched, comm=comm, stages=[_Linear(w, comm.device)],
                               loss=lambda y, t: (y * t).sum())
         out = ex.step(xs if comm.rank == 0 else None, xs if comm.rank == 1 else None)
         return out.loss, out.grads[0][0].numpy()

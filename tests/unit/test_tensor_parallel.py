@@ -53,6 +53,17 @@ def test_mixed_numpy_and_strict_devices(case: str, references: dict) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
+def test_every_rank_raises_the_same_index_range_error(n: int) -> None:
+    """Out-of-range targets and ids, each naming the value and where it is, alike on every
+    device, and no device left waiting in a collective."""
+    outs = DeviceGroup.cpu(n, timeout=TIMEOUT).run(P.bad_index_program)
+    assert all(o == outs[0] for o in outs)
+    assert [s.split(":")[0] for s in outs[0]] == ["IndexRangeError"] * 4, outs[0]
+    assert f"target {P.V} at position (3,) is outside [0, {P.V})" in outs[0][0]
+    assert "id -1 at position (1, 2)" in outs[0][2]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
 def test_seeded_layers_hold_shards_of_one_weight(n: int) -> None:
     """Results do not depend on the TP degree: each shard is a slice of seeded_weight."""
     full = tp.seeded_weight(3, 8, 16)
@@ -187,3 +198,34 @@ def test_example_trains_the_same_in_every_mode() -> None:
     assert len(curves[0]) == 4 and curves[0][-1] < curves[0][0]
     for c in curves[1:]:
         np.testing.assert_allclose(c, curves[0], rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_cached_attention_equals_the_whole_sequence(n: int) -> None:
+    """GQA (8 query, 2 key/value heads: shared at TP 4) with RoPE through the paged store:
+    a 5-token prefill then 3 one-token decode steps give the outputs of one causal forward
+    over all 8 tokens, the positions coming from the cache."""
+    from fuelspmd.distributed_cache import KVCacheManager, PagedKVStore
+
+    x = np.random.default_rng(9).standard_normal((1, 8, 32))
+
+    def program(comm: fs.Communicator) -> tuple[np.ndarray, np.ndarray]:
+        att = tp.ParallelAttention(32, 8, kv_heads=2, comm=comm, rope_base=100.0, seed=4,
+                                   dtype="float64")
+        whole = att(fs.tensor(x, device=comm.device)).numpy()
+        manager = KVCacheManager(8, 2, enable_prefix_caching=False)
+        kv, d = att.cache_heads
+        store = PagedKVStore(num_layers=1, num_blocks=8, block_size=2, kv_heads=kv,
+                             head_dim=d, device=comm.device, dtype="float64")
+        manager.allocate(0, list(range(5)))
+        outs = [att(fs.tensor(x[:, :5], device=comm.device),
+                    cache=store.view(0, tables=[manager.block_table(0)], starts=[0]))]
+        for t in range(5, 8):
+            store.copy(manager.append(0, [t]))
+            outs.append(att(fs.tensor(x[:, t:t + 1], device=comm.device),
+                            cache=store.view(0, tables=[manager.block_table(0)], starts=[t])))
+            fs.realize(outs[-1], *store.tensors())
+        return whole, np.concatenate([o.numpy() for o in outs], 1)
+
+    for whole, cached in DeviceGroup.cpu(n, timeout=TIMEOUT).run(program):
+        np.testing.assert_allclose(cached, whole, rtol=1e-12, atol=1e-13)

@@ -24,10 +24,8 @@ import numpy as np
 import pytest
 
 import fuelspmd as fs
-from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule
-from fuelspmd.transport import SelfTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "train.py"
@@ -177,54 +175,80 @@ def test_mpiexec_dp2_pp2_tp2(kind: str) -> None:
 
 
 # ---- in process: the check's reference, the check failing, bad sizes ---------------------
+def _solo() -> fs.Communicator:
+    return fs.DeviceGroup.cpu(1).comms[0]
+
+
 @pytest.mark.timeout(60)
 def test_reference_gradients_match_numpy_finite_differences() -> None:
     """The one-process gradients ``--check`` compares against, entry by entry, against
-    central differences of the numpy loss (float64, a small batch)."""
+    central differences of the numpy loss (float64, a small batch), found by name."""
     args = T.parse(["--dtype", "float64", "--microbatches", "2", "--batch", "2", "--seed", "3"])
     cfg = T.config(args)
-    loss, ref = T.reference(cfg, args, 1, "cpu:0")
+    loss, ref = T.reference(cfg, args, [(0, cfg.layers)], 1, _solo())
+    g = ref[0]
     w = T.full_weights(cfg, 3)
     assert abs(loss - numpy_loss(cfg, 3, 2, 2, 1, w)) < 1e-10
     blk0, blk1 = w["blocks"][0], w["blocks"][-1]
-    # (array in w, its gradient in the reference's grouping, an entry)
-    probes = [(w["emb"], ref[0][0], (3, 5)), (w["pos"], ref[0][1], (2, 1)),
-              (blk0["ln1"][0], ref[1][0], (4,)), (blk0["ln2"][1], ref[1][3], (7,)),
-              (blk0["attn"][0], ref[1][4], (4, 7)), (blk0["attn"][6], ref[1][10], (0, 1)),
-              (blk1["mlp"][0], ref[-2][12], (1, 2)), (blk1["mlp"][3], ref[-2][15], (6,)),
-              (w["lnf"][0], ref[-1][0], (9,)), (w["head"][0], ref[-1][2], (5, 9)),
-              (w["head"][1], ref[-1][3], (3,))]
-    for k, (arr, g, at) in enumerate(probes):
-        assert arr.shape == g.shape, (k, arr.shape, g.shape)
+    last = f"blocks.{cfg.layers - 1}"
+    # (array in w, the name of its gradient, an entry)
+    probes = [(w["emb"], "emb.weight", (3, 5)), (w["pos"], "pos", (2, 1)),
+              (blk0["ln1"][0], "blocks.0.ln1.weight", (4,)),
+              (blk0["ln2"][1], "blocks.0.ln2.bias", (7,)),
+              (blk0["attn"][0], "blocks.0.attn.q.weight", (4, 7)),
+              (blk0["attn"][6], "blocks.0.attn.out.weight", (0, 1)),
+              (blk1["mlp"][0], f"{last}.mlp.fc1.weight", (1, 2)),
+              (blk1["mlp"][3], f"{last}.mlp.fc2.bias", (6,)),
+              (w["lnf"][0], "lnf.weight", (9,)), (w["head"][0], "head.weight", (5, 9)),
+              (w["head"][1], "head.bias", (3,))]
+    for arr, name, at in probes:
+        assert arr.shape == g[name].shape, (name, arr.shape, g[name].shape)
         keep, eps = arr[at], 1e-6
         arr[at] = keep + eps
         up = numpy_loss(cfg, 3, 2, 2, 1, w)
         arr[at] = keep - eps
         down = numpy_loss(cfg, 3, 2, 2, 1, w)
         arr[at] = keep
-        np.testing.assert_allclose(g[at], (up - down) / (2 * eps), rtol=1e-5, atol=1e-8,
-                                   err_msg=f"probe {k}")
+        np.testing.assert_allclose(g[name][at], (up - down) / (2 * eps), rtol=1e-5,
+                                   atol=1e-8, err_msg=name)
 
 
 @pytest.mark.timeout(60)
 def test_check_rejects_a_wrong_gradient() -> None:
     args = T.parse(["--steps", "1", "--check"])
     cfg = T.config(args)
-    comm = Communicator(SelfTransport(), device="cpu:0")
+    comm = _solo()
     mesh = fs.Mesh(comm)
     st = T.Stage(cfg, T.full_weights(cfg, 0), 0, cfg.layers, first=True, last=True, comm=comm)
     ex = PipelineExecutor(schedule("1f1b", 1, args.microbatches), comm=comm, stages=[st],
-                          params=[st.parameters()], loss=st.loss)
+                          loss=st.loss)
     xs, ys = T.microbatches(0, 0, 0, args.microbatches, args.batch, cfg)
     res = ex.step(xs, ys)
-    good = T.check(comm, mesh, [st], [0], res.grads, res.loss, cfg, args)
+    good = T.check(mesh, [st], [0], res.grads[0], res.loss, cfg, args)
     assert good["ok"], good["line"]
-    bad_grads = [list(res.grads[0])]
-    k = 5  # a block's attention weight
-    bad_grads[0][k] = bad_grads[0][k] * 1.01
-    bad = T.check(comm, mesh, [st], [0], bad_grads, res.loss, cfg, args)
+    names = [n for n, _ in st.named_parameters()]
+    bad_grads = list(res.grads[0])
+    k = names.index("blocks.0.attn.q.weight")
+    bad_grads[k] = bad_grads[k] * 1.01
+    bad = T.check(mesh, [st], [0], bad_grads, res.loss, cfg, args)
     assert not bad["ok"] and "FAILED" in bad["line"], bad["line"]
     assert 5e-3 < bad["worst"] < 2e-2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [["--zero", "--dropout", "0.1"], ["--recompute"],
+                                   ["--dtype", "bfloat16"], ["--dtype", "float16"]])
+def test_zero_dropout_recompute_and_16_bit_variants_check(extra: list[str]) -> None:
+    """ZeRO-1 with dropout over dp 2 (a DeviceGroup), block recomputation, and 16-bit
+    parameters with float32 master weights (float16 with loss scaling) all pass --check
+    and train."""
+    dev = ["--devices", "cpu:4", "--dp", "2", "--tp", "1", "--pp", "2"] \
+        if "--zero" in extra else []
+    got = run([*dev, "--steps", "4", "--check", *extra])
+    assert "check OK" in got["out"], got["out"]
+    assert got["last"] < got["first"], got["out"]
+    assert re.search(r"peak bytes: saved activations \d+, graph working set \d+, "
+                     r"optimiser state \d+", got["out"]), got["out"]
 
 
 def test_layers_that_do_not_split_into_stages_are_a_config_error() -> None:

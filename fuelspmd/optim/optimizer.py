@@ -1,0 +1,247 @@
+"""Optimisers on lazy tensors: ``opt.step(grads)`` replaces every parameter's value in place.
+
+Layer 7. An :class:`Optimizer` holds the :class:`~fuelspmd.nn.Parameter` objects (local
+shards: a TP-sharded parameter's update needs only its own shard, the math is
+elementwise) and per-parameter state. One step builds every parameter's update as one
+lazy graph, realises it, and :meth:`~fuelspmd.nn.Parameter.assign` s the results, so every
+module holding a parameter sees the new value and the next ``fs.grad`` differentiates at
+it.
+
+The math is written per tensor (:meth:`Optimizer.init_state`, :meth:`Optimizer.update`),
+in the operation order of torch's single-tensor CPU kernels, so a float64 run follows
+``torch.optim`` to float64 rounding; ZeRO-1 (:mod:`fuelspmd.optim.zero`) runs the same
+two methods on flat shards.
+
+Mixed precision: a parameter stored in a 16-bit float (bfloat16, float16) gets a float32
+*master* copy; the update reads the gradient in float32, runs on the master and the state
+(both float32), and the parameter receives the master rounded to its own dtype. Small
+updates that the 16-bit parameter would round away accumulate in the master.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.dtypes import DType, float32
+from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.nn import Parameter
+from fuelspmd.optim.schedules import Schedule, as_schedule
+from fuelspmd.tensor import Tensor, realize, tensor, zeros
+
+__all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype"]
+
+State = dict[str, Tensor]
+
+
+def master_dtype(dt: DType) -> DType:
+    """The dtype an optimiser updates a parameter of dtype ``dt`` in: float32 for 16-bit
+    floats (their master weights), else ``dt`` itself."""
+    return float32 if dt.is_floating and dt.itemsize < 4 else dt
+
+
+def check_grads(owner: str, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """One gradient per parameter, of its shape: else ShapeError naming each mismatch."""
+    if len(grads) != len(params):
+        raise ShapeError(f"{owner}: {len(grads)} gradients for {len(params)} parameters; "
+                         "pass fs.grad(loss, params) for the same params, in order")
+    bad = [f"#{i}: grad {tuple(g.shape)} for parameter {tuple(p.shape)}"
+           for i, (p, g) in enumerate(zip(params, grads)) if tuple(g.shape) != p.shape]
+    if bad:
+        raise ShapeError(f"{owner}: gradients of the wrong shape ({'; '.join(bad)}); give "
+                         "the gradient of each local shard")
+
+
+def _params(owner: str, params: Sequence[Any]) -> list[Parameter]:
+    out = list(params)
+    if not out:
+        raise ConfigError(f"{owner}: no parameters given; pass model.parameters()")
+    for i, p in enumerate(out):
+        if not isinstance(p, Parameter):
+            raise TypeError(f"{owner}: parameter #{i} is a {type(p).__name__}, not an "
+                            "nn.Parameter (whose value the optimiser can replace in place); "
+                            "wrap it: nn.Parameter(t)")
+        if not p.dtype.is_floating:
+            raise ConfigError(f"{owner}: parameter #{i} has dtype {p.dtype}; only floating "
+                              "parameters can be optimised")
+    seen: dict[int, int] = {}
+    for i, p in enumerate(out):
+        if id(p) in seen:
+            raise ConfigError(f"{owner}: parameters #{seen[id(p)]} and #{i} are the same "
+                              "Parameter (a tied weight?); give each once, as "
+                              "model.parameters() does")
+        seen[id(p)] = i
+    return out
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, v in values.items():
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not v >= 0:
+            raise ConfigError(f"{owner}: {name}={v!r} must be a number >= 0")
+
+
+class Optimizer:
+    """The common part: parameters, learning rate, master weights, state, state_dict.
+
+    A subclass gives :meth:`init_state` and :meth:`update` for one tensor. ``steps`` is the
+    number of steps taken; the learning rate of the next step is ``schedule(steps)``.
+    """
+
+    def __init__(self, params: Sequence[Parameter], *, lr: float | Schedule) -> None:
+        self.params = _params(type(self).__name__, params)
+        if not callable(lr):
+            _positive(type(self).__name__, lr=lr)
+        self.schedule: Schedule = as_schedule(lr)
+        self.steps = 0
+        # float32 copies of 16-bit parameters, made at their first step (a parameter may
+        # be created without data and filled after the optimiser is built)
+        self.master: list[Tensor | None] = [None] * len(self.params)
+        self.state: list[State] = [{} for _ in self.params]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return float(self.schedule(self.steps))
+
+    # ---- the math of one tensor (subclasses) --------------------------------------------
+    def init_state(self, w: Tensor) -> State:
+        """The state of a tensor like ``w`` before its first step."""
+        return {}
+
+    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+               ) -> tuple[Tensor, State]:
+        """The new value of ``w`` and its state after one step (``step`` counts from 1)."""
+        raise NotImplementedError
+
+    # ---- a step ----------------------------------------------------------------------
+    def step(self, grads: Sequence[Tensor]) -> None:
+        """Update every parameter in place from its gradient (one realised graph)."""
+        check_grads(f"{type(self).__name__}.step", self.params, grads)
+        lr, t = self.lr, self.steps + 1
+        news: list[Tensor] = []
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            w = self.master[i]
+            if w is None:
+                w = Tensor(p.node).astype(master_dtype(p.dtype))
+            g = g if g.dtype == w.dtype else g.astype(w.dtype)
+            w, self.state[i] = self.update(w, g, self.state[i] or self.init_state(w),
+                                           lr=lr, step=t)
+            if w.dtype != p.dtype:
+                self.master[i] = w
+            news.append(w)
+        cast = [w if w.dtype == p.dtype else w.astype(p.dtype)
+                for p, w in zip(self.params, news)]
+        realize(*cast, *news, *(v for st in self.state for v in st.values()))
+        for p, w in zip(self.params, cast):
+            p.assign(w)
+        self.steps = t
+
+    # ---- state -----------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimiser state on this rank: the state tensors and master weights."""
+        held = [m for m in self.master if m is not None] + \
+            [v for st in self.state for v in st.values()]
+        return sum(t.size * t.dtype.itemsize for t in held)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``steps``, and per parameter (by index) its state arrays and master weights."""
+        return {"steps": self.steps,
+                "state": [{k: v.numpy() for k, v in st.items()} for st in self.state],
+                "master": [None if m is None else m.numpy() for m in self.master]}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; ShapeError naming every entry that does not
+        fit these parameters."""
+        owner = f"{type(self).__name__}.load_state_dict"
+        state, master = list(d["state"]), list(d["master"])
+        if len(state) != len(self.params) or len(master) != len(self.params):
+            raise ShapeError(f"{owner}: {len(state)} states for {len(self.params)} "
+                             "parameters; load a state_dict of an optimiser over the same "
+                             "parameters")
+        bad = []
+        for i, (p, st, m) in enumerate(zip(self.params, state, master)):
+            for k, v in st.items():
+                if tuple(np.shape(v)) != p.shape:
+                    bad.append(f"state[{i}][{k!r}] {tuple(np.shape(v))} vs {p.shape}")
+            if m is not None and (master_dtype(p.dtype) == p.dtype
+                                  or tuple(np.shape(m)) != p.shape):
+                bad.append(f"master[{i}] {tuple(np.shape(m))} for a {p.dtype} {p.shape}")
+        if bad:
+            raise ShapeError(f"{owner}: entries that do not fit: {', '.join(bad)}")
+        dev = self.params[0].device
+        for i, p in enumerate(self.params):
+            dt = master_dtype(p.dtype)
+            self.state[i] = {k: tensor(np.asarray(v), device=p.device, dtype=dt)
+                             for k, v in state[i].items()}
+            self.master[i] = (None if master[i] is None else
+                              tensor(np.asarray(master[i]), device=dev, dtype=dt))
+        self.steps = int(d["steps"])
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with momentum, Nesterov momentum and (L2) weight decay,
+    as ``torch.optim.SGD``: ``g += wd p``; ``b = g`` at the first step, then
+    ``b = momentum b + (1 - dampening) g``; ``g = g + momentum b`` (Nesterov) or ``b``;
+    ``p -= lr g``."""
+
+    def __init__(self, params: Sequence[Parameter], *, lr: float | Schedule,
+                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False) -> None:
+        _positive("SGD", momentum=momentum, dampening=dampening, weight_decay=weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError(f"SGD: nesterov=True needs momentum > 0 and dampening = 0, "
+                              f"got momentum={momentum}, dampening={dampening}")
+        super().__init__(params, lr=lr)
+        self.momentum, self.dampening = float(momentum), float(dampening)
+        self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
+
+    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+               ) -> tuple[Tensor, State]:
+        if self.weight_decay:
+            g = g + w * self.weight_decay
+        if self.momentum:
+            buf = state.get("momentum")
+            buf = g if buf is None else buf * self.momentum + g * (1 - self.dampening)
+            state = {"momentum": buf}
+            g = g + buf * self.momentum if self.nesterov else buf
+        return w + g * (-lr), state
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW``::
+
+        p *= 1 - lr wd
+        m = lerp(m, g, 1 - b1);   v = b2 v + (1 - b2) g^2
+        p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    """
+
+    def __init__(self, params: Sequence[Parameter], *, lr: float | Schedule = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        b1, b2 = betas
+        _positive("AdamW", eps=eps, weight_decay=weight_decay)
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ConfigError(f"AdamW: betas={betas!r} must each be in [0, 1)")
+        super().__init__(params, lr=lr)
+        self.betas = (float(b1), float(b2))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+
+    def init_state(self, w: Tensor) -> State:
+        z = zeros(w.shape, device=w.device, dtype=w.dtype)
+        return {"exp_avg": z, "exp_avg_sq": z}
+
+    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+               ) -> tuple[Tensor, State]:
+        b1, b2 = self.betas
+        if self.weight_decay:
+            w = w * (1 - lr * self.weight_decay)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        weight = 1 - b1  # torch's lerp, both of its branches
+        m = m + (g - m) * weight if abs(weight) < 0.5 else g - (g - m) * (1 - weight)
+        v = v * b2 + g * (1 - b2) * g
+        step_size = lr / (1 - b1 ** step)
+        denom = v.sqrt() / math.sqrt(1 - b2 ** step) + self.eps
+        return w + m * (-step_size) / denom, {"exp_avg": m, "exp_avg_sq": v}

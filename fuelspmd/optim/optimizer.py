@@ -170,7 +170,9 @@ class Optimizer:
                                   or tuple(np.shape(m)) != p.shape):
                 bad.append(f"master[{i}] {tuple(np.shape(m))} for a {p.dtype} {p.shape}")
         if bad:
-            raise ShapeError(f"{owner}: entries that do not fit: {', '.join(bad)}")
+            raise ShapeError(f"{owner}: entries that do not fit: {', '.join(bad)}; load a "
+                             "state_dict saved by an optimiser over parameters of these "
+                             "shapes and dtypes")
         dev = self.params[0].device
         for i, p in enumerate(self.params):
             dt = master_dtype(p.dtype)

@@ -58,7 +58,8 @@ class LossScaler:
         """The gradients divided by the scale, and whether every element of every rank's
         gradients is finite (agreed over ``comm``; collective over it)."""
         if not grads:
-            raise ConfigError("LossScaler.unscale: no gradients given")
+            raise ConfigError("LossScaler.unscale: no gradients given; pass the list "
+                              "fs.grad(scaled_loss, params) returned")
         device: Any = grads[0].device
         probe = zeros((1,), device=device, dtype=float32)
         for g in grads:  # 0 * inf and 0 * nan are nan: the sum is nan iff one is not finite

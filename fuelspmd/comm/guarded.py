@@ -8,12 +8,15 @@ distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). An
 all_reduce over a transport that declares ``checked`` hands its words to the transport's
 own meeting; every other collective meets on the guard's control channel first (see
 :mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
-the transport's typed error before any communication.
+the transport's typed error before any communication. Every guard still open at
+interpreter exit is closed then (:func:`_close_all`), so its peers learn that it finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -127,6 +130,10 @@ class GuardedTransport:
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
         self._lean = self._checked and recorder is None and not self._debug
+        if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
+            _OPEN.add(self)
+            atexit.unregister(_close_all)
+            atexit.register(_close_all)
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -324,8 +331,8 @@ class GuardedTransport:
                                 world_rank=g.world_rank, trace_dir=g.trace_dir)
 
     def close(self) -> None:
-        """Stop checking: let the guard's control messages go and release its channel."""
-        self.guard.close()
+        """Stop checking: say bye to the peers, drain and release the guard's channel."""
+        self.guard.close(self.cseq)
 
     def finalize(self) -> None:
         """Close the guard, then release the inner transport (collective)."""
@@ -341,3 +348,16 @@ class GuardedTransport:
                 self.guard.dump(reason=f"abort({code})")
         finally:
             self.inner.abort(code)
+
+
+_OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    """Close the guards still open at interpreter exit, every bye first: ranks that close
+    them in different orders must not wait for each other's."""
+    open_ = [t for t in _OPEN if t.guard.control is not None]
+    for t in open_:
+        t.guard.bye(t.cseq)
+    for t in open_:
+        t.close()

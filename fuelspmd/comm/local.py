@@ -13,9 +13,9 @@ is on a GPU (a ``cuda:0, cuda:1`` group) the collective stays on the GPUs: the b
 peer-copied to the first member's GPU, combined there with cupy, and each member's result
 is copied to its own GPU (:func:`_on_gpus`). A group mixing a GPU with host devices
 (``cuda:0, cpu:0``) is staged through host memory. A member whose program returned or
-failed without joining a collective the others wait in makes them raise at once, naming
-it; otherwise a wait gives up after ``timeout`` seconds, naming the members that never
-came.
+failed without joining a collective the others wait in, or without sending what one
+receives, makes them raise PeerAbortedError at once, naming it; otherwise a wait gives up
+after ``timeout`` seconds, naming the members that never came.
 
 Send/recv go through per-(src, dst, tag) mailboxes: a send deposits a copy and returns,
 a recv waits for its message (GPU buffers pass through host memory).
@@ -121,11 +121,12 @@ class _Group:
     def _missing(self, present: Callable[[int], bool], what: str, seq: int) -> None:
         """Raise when a device we wait for has left; called with the lock held."""
         left = {r: how for r, how in self.gone.items() if not present(r)}
-        if left:
+        if left:  # as a rank whose peer finished or died (fuelspmd.comm.guard)
             names = ", ".join(f"{self.devices[r]} ({how})" for r, how in sorted(left.items()))
-            kind = PeerAbortedError if "failed" in left.values() else CollectiveMismatchError
-            raise kind(f"{what} #{seq}: device(s) {names} will never join it; every device "
-                       "of a group must issue the same collectives in the same order")
+            raise PeerAbortedError(f"{what} #{seq}: device(s) {names} left the group without "
+                                   "issuing it, so it will never complete; every device must "
+                                   "issue the same collectives in the same order, and every "
+                                   "recv needs a send")
 
     def _wait(self, ready: Callable[[], bool], present: Callable[[int], bool], what: str,
               seq: int) -> None:

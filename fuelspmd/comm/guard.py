@@ -32,12 +32,9 @@ guarantees, and how:
    sent while it waits in a collective; ...) raises here, and an *abort* note tells every
    peer, which raises within its next slice. A note about an operation already passed
    (an older collective number, a message already sent) is stale and ignored.
-4. **A rank that has finished is named at once.** A closing guard (its ``close``, at
-   finalize or interpreter exit) sends every peer a *bye* note with its final counts
-   (collectives, and sends and recvs with that peer); a rank waiting on it for what those
-   counts show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError` within a
-   slice. A closing guard then reads every peer's bye and the fingerprints still due
-   before it frees the channel, so no message is left to match in a later split.
+4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
+   exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
+   they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`.
 5. **A rank that never comes is named.** A wait gives up at the guard's ``timeout`` with
    :class:`~fuelspmd.errors.CommTimeoutError` naming the ranks whose notes do not show
    them in this operation, and what each was last seen doing.
@@ -322,7 +319,8 @@ class Guard:
             return  # stale: q has since passed the collective this rank passed
         my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
         gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} finished "
-                f"normally (closed its guard: finalize or interpreter exit) after issuing")
+                f"normally (closed its guard: finalize or interpreter exit) after issuing"
+                if bye else "")
         if q_op in (SEND, RECV) and not bye:
             if int(theirs[DST] if q_op == SEND else theirs[SRC]) != r:
                 return
@@ -336,11 +334,8 @@ class Guard:
                       f"is in {describe(mine)} and issued only {have} {side} rank {q}: a "
                       f"send or recv was skipped or is in the wrong order. Fix: {_HINT}")
         if my_op in (SEND, RECV):
-            if my_peer != q:
-                return
-            need = self._cur[3]
-            have = int(note[3] if my_op == SEND else note[2])
-            if have >= need:
+            need, have = self._cur[3], int(note[3] if my_op == SEND else note[2])
+            if my_peer != q or have >= need:
                 return
             if bye:
                 self.fail(f"{gone} only {have} matching ops with rank {r}, so this rank's "
@@ -401,13 +396,9 @@ class Guard:
     def late(self, what: str, limit: float) -> None:
         """Raise the CommTimeoutError of a wait past ``limit`` s, naming the absent ranks."""
         mine = self._encoded() if self._cur is not None else None
-        here = []
-        for q in range(self.size):
-            note = self._notes[q]
-            if (q != self.rank and note is not None and note[0] == _WAIT and mine is not None
-                    and int(note[4 + CSEQ]) == int(mine[CSEQ])
-                    and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))):
-                here.append(q)
+        here = [q for q, note in enumerate(self._notes) if note is not None and mine is not None
+                and note[0] == _WAIT and int(note[4 + CSEQ]) == int(mine[CSEQ])
+                and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))]
         peers = [int(mine[SRC] if mine[OP] == RECV else mine[DST])] if (
             mine is not None and int(mine[OP]) in (SEND, RECV)) else range(self.size)
         missing = [q for q in peers if q != self.rank and q not in here]
@@ -472,22 +463,21 @@ class Guard:
         counts, let the control messages in flight go (up to 2 s), then release the control
         channel; nothing is checked after. A channel that did not drain within the timeout
         is kept: a message still to come must not match in a later split given its context."""
-        drained, deadline = self._probe is None, time.monotonic() + self.timeout
+        control, drained, end = self.control, self._probe is None, time.monotonic() + self.timeout
         self.bye(cseq)
         with contextlib.suppress(CommError):
-            for q in (p for p in range(self.size) if not drained and p != self.rank):
-                while (note := self._notes[q]) is None or note[0] != _BYE:
-                    self._notes[q] = np.empty(_NOTE, np.int64)
-                    self.control.recv(self._notes[q], q, TAG_NOTE).wait(  # type: ignore[union-attr]
-                        max(deadline - time.monotonic(), 1e-3))
-                for _ in range(self._desc_n[q], int(note[2])):
-                    self.control.recv(np.empty(FP_LEN, np.int64), q, TAG_P2P).wait(  # type: ignore[union-attr]
-                        max(deadline - time.monotonic(), 1e-3))
+            for q in range(0 if drained or control is None else self.size):
+                while q != self.rank and ((note := self._notes[q]) is None or note[0] != _BYE):
+                    self._notes[q] = note = np.empty(_NOTE, np.int64)
+                    control.recv(note, q, TAG_NOTE).wait(max(end - time.monotonic(), 1e-3))
+                for _ in range(self._desc_n[q], int(note[2]) if q != self.rank else 0):
+                    buf = np.empty(FP_LEN, np.int64)
+                    control.recv(buf, q, TAG_P2P).wait(max(end - time.monotonic(), 1e-3))
             drained = True
         deadline = time.monotonic() + 2.0
         while self._outbox and time.monotonic() < deadline:
             self._outbox = [w for w in self._outbox if not w.test()]
-        control, self.control, self._probe = self.control, None, None
+        self.control = self._probe = None
         if drained and control is not None and "finalize" in control.capabilities:
             control.finalize()  # type: ignore[attr-defined]
         if self.failed is None:

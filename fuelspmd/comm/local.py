@@ -37,7 +37,7 @@ from fuelspmd.errors import (
     ConfigError,
     PeerAbortedError,
 )
-from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer, disagreement
 
 __all__ = ["LocalTransport", "local_group"]
 
@@ -207,18 +207,9 @@ class _Group:
         return slot.done
 
     def _compare(self, fps: list[Any], seq: int) -> CollectiveMismatchError | None:
-        first = fps[0]
-        diffs = []
-        for r, fp in enumerate(fps[1:], 1):
-            fields = [k for k in first if fp.get(k) != first.get(k)]
-            if fields:
-                diffs.append(f"{self.devices[0]} has " + ", ".join(
-                    f"{k}={first[k]}" for k in fields) + f" but {self.devices[r]} has "
-                    + ", ".join(f"{k}={fp[k]}" for k in fields))
-        if not diffs:
-            return None
-        return CollectiveMismatchError(f"collective #{seq} differs between devices: "
-                                       + "; ".join(diffs))
+        """The agreement of agree() (fuelspmd.transport), on what the devices brought."""
+        text = disagreement(f"collective #{seq}", fps, self.devices)
+        return None if text is None else CollectiveMismatchError(text)
 
     def post(self, key: tuple[int, int, int], data: np.ndarray) -> None:
         with self.cond:

@@ -167,9 +167,17 @@ def test_mismatch_names_devices_and_fields() -> None:
         n = 3 if comm.rank == 1 else 2
         return comm.all_reduce(fs.tensor(x[:n], device=comm.device)).numpy()
 
-    with pytest.raises(CollectiveMismatchError, match=r"cpu:0 has shape=\(2,\).*cpu:1 has "
-                                                      r"shape=\(3,\)"):
+    with pytest.raises(CollectiveMismatchError, match=r"collective #0: the ranks disagree "
+                       r"\(shape: cpu:0 has \(2,\), cpu:1 has \(3,\)\)"):
         DeviceGroup.cpu(2, timeout=TIMEOUT).run(fn, [np.ones(4)] * 2)
+
+    def other_op(comm: fs.Communicator, x: np.ndarray) -> np.ndarray:
+        op = "max" if comm.rank == 2 else "sum"
+        return comm.all_reduce(fs.tensor(x, device=comm.device), op).numpy()
+
+    with pytest.raises(CollectiveMismatchError, match=r"disagree \(reduce_op: cpu:0 has sum, "
+                       r"cpu:2 has max\); every rank must"):
+        DeviceGroup.cpu(3, timeout=TIMEOUT).run(other_op, [np.ones(4)] * 3)
 
 
 def test_build_time_errors() -> None:

@@ -276,15 +276,14 @@ class Guard:
             if note is not None and note[0] == _BYE:
                 self._square(q, note)
 
-    def _tell(self, kind: int, arg: int, fp: np.ndarray | None = None, text: str = "") -> None:
+    def _tell(self, kind: int, arg: int, fp: np.ndarray | int = 0, text: str = "") -> None:
         """Post a note of ``kind`` to every peer (see ``_NOTE``)."""
         data = np.frombuffer(text.encode()[:_TEXT], np.uint8)
         for q in range(self.size):
             if q != self.rank:
                 note = np.zeros(_NOTE, np.int64)
                 note[:4] = (kind, arg, self.sent[q], self.recvd[q])
-                if fp is not None:
-                    note[4:4 + FP_LEN] = fp
+                note[4:4 + FP_LEN] = fp
                 note[4 + FP_LEN:].view(np.uint8)[:data.size] = data
                 self.post(note, q, TAG_NOTE)
 
@@ -422,15 +421,12 @@ class Guard:
         flight recorder, and raise."""
         if self.failed is None:
             self.failed, self._failed_kind = text, kind
-            cur = self._cur
-            if rec < 0 and cur is not None:
-                _, seq, cseq, _, rec, fp = cur
-                if rec < 0 and fp is not None:
-                    rec = self.record(fp, seq, cseq)
-            state = {CollectiveMismatchError: "mismatch", CommTimeoutError: "timeout"}.get(
-                kind, "failed")
+            if rec < 0 and self._cur is not None:
+                _, seq, cseq, _, rec, fp = self._cur
+                rec = self.record(fp, seq, cseq) if rec < 0 and fp is not None else rec
             if self.recorder is not None and rec >= 0:
-                self.recorder.mark(rec, state, text)
+                self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
+                                         CommTimeoutError: "timeout"}.get(kind, "failed"), text)
             if tell and self.control is not None:
                 with contextlib.suppress(CommError):
                     self._tell(_ABORT, next((i for i, k in enumerate(_KINDS)

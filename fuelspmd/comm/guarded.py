@@ -8,13 +8,14 @@ distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). An
 all_reduce over a transport that declares ``checked`` hands its words to the transport's
 own meeting; every other collective meets on the guard's control channel first (see
 :mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
-the transport's typed error before any communication. Every guard still open at
-interpreter exit is closed then (:func:`_close_all`), so its peers learn that it finished.
+the transport's typed error before any communication. Guards still open at interpreter
+exit close then (:func:`close_all`).
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import weakref
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from fuelspmd.transport import (
     check_peer,
 )
 
-__all__ = ["GuardedTransport", "GuardedWork"]
+__all__ = ["GuardedTransport", "GuardedWork", "close_all"]
 
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
 # what a guarded transport passes on of the inner one's capabilities (the checks and the
@@ -123,17 +124,16 @@ class GuardedTransport:
         self.group = group_id(range(transport.size)) if group is None else int(group)
         self.guard = Guard(transport, mode=mode, timeout=timeout, recorder=recorder,
                            group=self.group, world_rank=world_rank, trace_dir=trace_dir)
-        self.seq = 0
-        self.cseq = 0
+        self.seq = self.cseq = 0
         self._calls: dict[tuple[Any, ...], _Call] = {}
         self._checked = "checked" in transport.capabilities and self.guard.checks
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
         self._lean = self._checked and recorder is None and not self._debug
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
-            _OPEN.add(self)
-            atexit.unregister(_close_all)
-            atexit.register(_close_all)
+            _OPEN[next(_OPENED)] = self
+            atexit.unregister(close_all)
+            atexit.register(close_all)
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -350,13 +350,15 @@ class GuardedTransport:
             self.inner.abort(code)
 
 
-_OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
+_OPEN: weakref.WeakValueDictionary[int, GuardedTransport] = weakref.WeakValueDictionary()
+_OPENED = itertools.count()
 
 
-def _close_all() -> None:
-    """Close the guards still open at interpreter exit, every bye first: ranks that close
-    them in different orders must not wait for each other's."""
-    open_ = [t for t in _OPEN if t.guard.control is not None]
+def close_all() -> None:
+    """Close every guard still open (at interpreter exit, and ``World.finalize``): every
+    bye first (a peer waiting in any of them learns now, not once the closes before it
+    are done), then in creation order, since closing is collective as creating was."""
+    open_ = [t for t in _OPEN.values() if t.guard.control is not None]
     for t in open_:
         t.guard.bye(t.cseq)
     for t in open_:

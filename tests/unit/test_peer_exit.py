@@ -73,6 +73,21 @@ else:
     assert "rank 2 finished normally" in line and "after issuing 1 collectives" in line, line
 
 
+def test_recv_on_a_split_from_a_rank_that_finalized() -> None:
+    kind, line = rank0(2, """
+sub = w.comm.split(0, w.rank)  # its own guard: World.finalize closes it too
+if w.rank == 1:
+    w.finalize()
+    time.sleep(3)
+else:
+    result(lambda: sub.recv((2,), "float32", 1).numpy())
+    w.finalize()
+""")
+    assert kind == "PeerAbortedError", line
+    assert seconds(line) < 10.0, line
+    assert "recv op #0" in line and "float32" in line and "rank 1 finished normally" in line
+
+
 def test_plugin_world_under_a_guard() -> None:
     kind, line = rank0(2, """
 from fuelspmd.comm import GuardedTransport

@@ -9,13 +9,12 @@ all_reduce over a transport that declares ``checked`` hands its words to the tra
 own meeting; every other collective meets on the guard's control channel first (see
 :mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
 the transport's typed error before any communication. Guards still open at interpreter
-exit close then (:func:`close_all`).
+exit or ``World.finalize`` say bye then (:func:`bye_all`).
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 import weakref
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from fuelspmd.transport import (
     check_peer,
 )
 
-__all__ = ["GuardedTransport", "GuardedWork", "close_all"]
+__all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
 
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
 # what a guarded transport passes on of the inner one's capabilities (the checks and the
@@ -131,9 +130,9 @@ class GuardedTransport:
         self._debug = mode == "debug"
         self._lean = self._checked and recorder is None and not self._debug
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
-            _OPEN[next(_OPENED)] = self
-            atexit.unregister(close_all)
-            atexit.register(close_all)
+            _OPEN.add(self)
+            atexit.unregister(bye_all)
+            atexit.register(bye_all)
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -350,16 +349,14 @@ class GuardedTransport:
             self.inner.abort(code)
 
 
-_OPEN: weakref.WeakValueDictionary[int, GuardedTransport] = weakref.WeakValueDictionary()
-_OPENED = itertools.count()
+_OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
 
 
-def close_all() -> None:
-    """Close every guard still open (at interpreter exit, and ``World.finalize``): every
-    bye first (a peer waiting in any of them learns now, not once the closes before it
-    are done), then in creation order, since closing is collective as creating was."""
-    open_ = [t for t in _OPEN.values() if t.guard.control is not None]
-    for t in open_:
+def bye_all() -> None:
+    """Say bye on every guard still open (at interpreter exit and ``World.finalize``), so
+    a peer waiting in any of them learns that this rank finished. Nothing is closed: a
+    close is collective (it frees shared windows), and a guard the garbage collector took
+    on one rank only would hold the others; the channels are not freed, so a bye still to
+    come cannot match in a later split."""
+    for t in list(_OPEN):
         t.guard.bye(t.cseq)
-    for t in open_:
-        t.close()

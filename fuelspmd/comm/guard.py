@@ -295,7 +295,7 @@ class Guard:
             self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
             if note[0] == _ABORT:
                 text = bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode()
-                self.fail(f"rank {q} reported: {text}", _KINDS[int(note[1])], tell=False)
+                self.fail(f"rank {q} aborted: {text}", _KINDS[int(note[1])], tell=False)
             self._notes[q] = note
             self._square(q, note)
 

@@ -56,6 +56,17 @@ if w.rank == 0:
     assert "rank 1 finished normally" in line and "message #1" in line, line
 
 
+def test_collective_rank_0_enters_alone() -> None:
+    kind, line = rank0(2, """
+if w.rank == 0:
+    result(lambda: w.comm.all_gather(fs.tensor(np.ones(3))).numpy())
+""")  # rank 1's script ends at once
+    assert kind == "PeerAbortedError", line
+    assert seconds(line) < 10.0, line
+    assert "all_gather op #0 (collective #0)" in line, line
+    assert "rank 1 finished normally" in line and "never join collective #0" in line, line
+
+
 def test_collective_a_finalized_rank_never_joins() -> None:
     kind, line = rank0(3, """
 b = np.ones(4)

@@ -102,6 +102,11 @@ def _weight(a: int, b: int) -> int:
     return ((zlib.crc32(data) << 32) | zlib.crc32(data[::-1])) % (_P - 1) + 1
 
 
+def _text(note: np.ndarray) -> str:
+    """The text of a note (an abort's message, how a rank that said bye ended)."""
+    return bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode(errors="replace")
+
+
 def agrees(rows: list[list[int]]) -> bool:
     """Whether every rank's ``[digest, cseq, fence]`` agree (see the module docstring)."""
     d, c = rows[0][0], rows[0][1]
@@ -294,8 +299,7 @@ class Guard:
             note = np.empty(_NOTE, np.int64)
             self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
             if note[0] == _ABORT:
-                text = bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode()
-                self.fail(f"rank {q} aborted: {text}", _KINDS[int(note[1])], tell=False)
+                self.fail(f"rank {q} aborted: {_text(note)}", _KINDS[int(note[1])], tell=False)
             self._notes[q] = note
             self._square(q, note)
 
@@ -317,8 +321,8 @@ class Guard:
         if int(theirs[CSEQ]) < int(mine[CSEQ]) and not bye:
             return  # stale: q has since passed the collective this rank passed
         my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
-        gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} finished "
-                f"normally (closed its guard: finalize or interpreter exit) after issuing"
+        gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} "
+                f"{_text(note) or 'finished normally'} (its guard said bye) after issuing"
                 if bye else "")
         if q_op in (SEND, RECV) and not bye:
             if int(theirs[DST] if q_op == SEND else theirs[SRC]) != r:
@@ -447,12 +451,13 @@ class Guard:
         self.dumped = True
         return self.recorder.dump(where, self.world_rank, reason=reason)
 
-    def bye(self, cseq: int) -> None:
-        """Tell every peer (once) that this guard closes, after ``cseq`` collectives."""
+    def bye(self, cseq: int, how: str = "") -> None:
+        """Tell every peer (once) that this guard closes, after ``cseq`` collectives, and
+        ``how`` the rank ended when it did not finish normally."""
         if self._probe is not None and not self._said_bye:
             self._said_bye = True
             with contextlib.suppress(CommError):
-                self._tell(_BYE, cseq)
+                self._tell(_BYE, cseq, text=how)
 
     def close(self, cseq: int = 0) -> None:
         """Say bye; read each peer's notes up to its bye and the send fingerprints its bye

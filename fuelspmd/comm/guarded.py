@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -131,8 +132,8 @@ class GuardedTransport:
         self._lean = self._checked and recorder is None and not self._debug
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
             _OPEN.add(self)
-            atexit.unregister(bye_all)
-            atexit.register(bye_all)
+            atexit.unregister(_at_exit)
+            atexit.register(_at_exit)
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -352,11 +353,17 @@ class GuardedTransport:
 _OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
 
 
-def bye_all() -> None:
+def bye_all(how: str = "") -> None:
     """Say bye on every guard still open (at interpreter exit and ``World.finalize``), so
     a peer waiting in any of them learns that this rank finished. Nothing is closed: a
     close is collective (it frees shared windows), and a guard the garbage collector took
     on one rank only would hold the others; the channels are not freed, so a bye still to
     come cannot match in a later split."""
     for t in list(_OPEN):
-        t.guard.bye(t.cseq)
+        t.guard.bye(t.cseq, how)
+
+
+def _at_exit() -> None:
+    """:func:`bye_all`, saying so when the interpreter ends on an unhandled exception."""
+    e = getattr(sys, "last_value", None)  # set as the interpreter prints it, before exit
+    bye_all("" if e is None else f"died of an unhandled {type(e).__name__} ({e})")

@@ -33,11 +33,12 @@ def result(wait):
 """
 
 
-def rank0(n: int, body: str) -> tuple[str, str]:
-    """Run ``HEAD + body`` on ``n`` ranks; return rank 0's error class (or OK) and line."""
+def rank0(n: int, body: str, *, ok: bool = True) -> tuple[str, str]:
+    """Run ``HEAD + body`` on ``n`` ranks; return rank 0's error class (or OK) and line;
+    the job must end with status 0 if ``ok``, else not."""
     job = run_job(mpiexec(n, sys.executable, "-c", HEAD + body), deadline=60.0)
     found = re.findall(r"^RESULT 0 (\S+) (.*)$", job.out, re.M)
-    assert job.code == 0 and len(found) == 1, f"{job.code}\n{job.out}\n{job.err}"
+    assert (job.code == 0) == ok and len(found) == 1, f"{job.code}\n{job.out}\n{job.err}"
     return found[0]
 
 
@@ -111,6 +112,23 @@ if g.rank == 0:
     assert kind == "PeerAbortedError", line
     assert seconds(line) < 10.0, line
     assert "recv op #0" in line and "rank 1 finished normally" in line, line
+
+
+def test_a_rank_that_died_of_an_exception_says_so() -> None:
+    """Without fs.init's crash handler (which would end the job) the interpreter prints the
+    traceback and exits: its exit hook says how the rank ended."""
+    kind, line = rank0(2, """
+from fuelspmd.comm import GuardedTransport
+from fuelspmd_mpi import plugin
+w.finalize()
+g = GuardedTransport(plugin.world(timeout=600))
+if g.rank == 1:
+    raise ValueError("rank one fails on purpose")
+result(lambda: g.recv(np.empty(5, np.float32), 1, 2).wait())
+""", ok=False)
+    assert kind == "PeerAbortedError", line
+    assert seconds(line) < 10.0, line
+    assert "rank 1 died of an unhandled ValueError (rank one fails on purpose)" in line, line
 
 
 def test_a_peer_that_sent_everything_before_leaving_is_no_error() -> None:

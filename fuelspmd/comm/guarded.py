@@ -354,11 +354,9 @@ _OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
 
 
 def bye_all(how: str = "") -> None:
-    """Say bye on every guard still open (at interpreter exit and ``World.finalize``), so
-    a peer waiting in any of them learns that this rank finished. Nothing is closed: a
-    close is collective (it frees shared windows), and a guard the garbage collector took
-    on one rank only would hold the others; the channels are not freed, so a bye still to
-    come cannot match in a later split."""
+    """Say bye on every guard still open (at interpreter exit and ``World.finalize``).
+    None is closed: a close is collective (it frees shared windows), and a guard collected
+    on one rank only would hold the others; unfreed, no late bye matches in a split."""
     for t in list(_OPEN):
         t.guard.bye(t.cseq, how)
 

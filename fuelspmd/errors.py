@@ -67,7 +67,7 @@ class CommTimeoutError(CommError, TimeoutError):
 
 
 class PeerAbortedError(CommError):
-    """Another rank failed and the job is being torn down."""
+    """A peer finished, failed or aborted without issuing what this rank waits for."""
 
 
 class TransportUnavailableError(CommError):

@@ -328,9 +328,11 @@ def disagreement(what: str, rows: list[dict[str, Any]], labels: list[str] | None
             f"call with the same arguments at the same point")
 
 
-def agree(t: Transport, what: str, *, timeout: float | None = None, **fields: Any) -> None:
-    """Raise CollectiveMismatchError on every rank of ``t`` unless every rank passed equal
-    ``fields`` (compared by their ``repr``), naming the fields and ranks that differ.
+def agree(t: Transport, what: str, *, timeout: float | None = None,
+          error: type[Exception] = CollectiveMismatchError, **fields: Any) -> None:
+    """Raise ``error`` on every rank of ``t`` unless every rank passed equal ``fields``
+    (compared by their ``repr``), naming the fields and ranks that differ. ``error`` is
+    ConfigError where the fields are the caller's input (a caller's mistake).
 
     Collective: one all_gather of a fixed-size record (digests of the names and of each
     value), so ranks that pass different fields still meet in one well-formed exchange;
@@ -365,9 +367,8 @@ def agree(t: Transport, what: str, *, timeout: float | None = None, **fields: An
                 for x in table[r].view(np.uint8)]
         keys = text[0].split(",") if text[0] else []
         rows.append(dict(zip(keys, text[1:], strict=False)))
-    raise CollectiveMismatchError(disagreement(what, rows) or
-                                  f"{what}: the ranks' arguments differ in a way their first "
-                                  f"{_SHOWN} characters do not show")
+    raise error(disagreement(what, rows) or f"{what}: the ranks' arguments differ in a way "
+                                            f"their first {_SHOWN} characters do not show")
 
 
 class _SelfRecv:

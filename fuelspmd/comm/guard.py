@@ -32,10 +32,13 @@ guarantees, and how:
    sent while it waits in a collective; ...) raises here, and an *abort* note tells every
    peer, which raises within its next slice. A note about an operation already passed
    (an older collective number, a message already sent) is stale and ignored.
-4. **A rank that never comes is named.** A wait gives up at the guard's ``timeout`` with
+4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
+   exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
+   they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`.
+5. **A rank that never comes is named.** A wait gives up at the guard's ``timeout`` with
    :class:`~fuelspmd.errors.CommTimeoutError` naming the ranks whose notes do not show
    them in this operation, and what each was last seen doing.
-5. Once the guard has failed, every later operation on it raises the same error class.
+6. Once the guard has failed, every later operation on it raises the same error class.
 
 ``debug`` mode also compares a CRC of every result that must be alike on all ranks
 (all_reduce, all_gather, broadcast). The flight :class:`~fuelspmd.comm.recorder.Recorder`,
@@ -44,6 +47,7 @@ when given, records every operation and is dumped to ``trace_dir`` on a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import zlib
@@ -69,7 +73,13 @@ from fuelspmd.comm.fingerprint import (
     render,
 )
 from fuelspmd.comm.recorder import Recorder
-from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, ConfigError
+from fuelspmd.errors import (
+    CollectiveMismatchError,
+    CommError,
+    CommTimeoutError,
+    ConfigError,
+    PeerAbortedError,
+)
 from fuelspmd.transport import WATCH_S, Check, Disagreement, Transport, Work, agree
 
 __all__ = ["MODES", "TAG_NOTE", "TAG_P2P", "Guard", "agrees"]
@@ -77,10 +87,11 @@ __all__ = ["MODES", "TAG_NOTE", "TAG_P2P", "Guard", "agrees"]
 MODES = ("default", "debug", "off")
 TAG_P2P, TAG_NOTE = 1, 2  # the control channel's two streams
 _P = (1 << 61) - 1  # the fence's modulus, a prime
-_WAIT, _ABORT = 1, 2  # kinds of note
+_WAIT, _ABORT, _BYE = 1, 2, 3  # kinds of note
 _TEXT = 2048  # bytes of an abort note's text
-_NOTE = 4 + FP_LEN + _TEXT // 8  # [kind, sender, sent to you, recvd from you, fp, text]
-_KINDS = (CollectiveMismatchError, CommTimeoutError, CommError)
+# [kind, abort: error code | bye: collectives issued, sent to you, recvd from you, fp, text]
+_NOTE = 4 + FP_LEN + _TEXT // 8
+_KINDS = (CollectiveMismatchError, CommTimeoutError, PeerAbortedError, CommError)
 _HINT = ("every rank must issue the same collectives in the same order, and every send "
          "must meet a recv with the same tag, shape and dtype")
 
@@ -89,6 +100,11 @@ def _weight(a: int, b: int) -> int:
     """The fence weight of the ordered pair (a, b): 61 pseudo-random bits, alike everywhere."""
     data = np.array([a, b], np.int64).tobytes()
     return ((zlib.crc32(data) << 32) | zlib.crc32(data[::-1])) % (_P - 1) + 1
+
+
+def _text(note: np.ndarray) -> str:
+    """The text of a note (an abort's message, how a rank that said bye ended)."""
+    return bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode(errors="replace")
 
 
 def agrees(rows: list[list[int]]) -> bool:
@@ -141,7 +157,7 @@ class Guard:
         # what this rank is in: (template, seq, cseq, k, recorder ticket or -1, fingerprint
         # to record on a failure when not recorded yet)
         self._cur: tuple[np.ndarray, int, int, int, int, Fingerprint | None] | None = None
-        self._announced = False
+        self._announced = self._said_bye = False
         self.dumped = False  # whether dump() wrote this rank's recorder out
         self.failed: str | None = None
         self._failed_kind: type[Exception] = CollectiveMismatchError
@@ -257,17 +273,24 @@ class Guard:
         notes; raise when they show the ranks out of step (see the module docstring)."""
         if self._probe is None or self.failed is not None:
             return
-        cur = self._cur
-        if cur is not None and not self._announced:
+        if self._cur is not None and not self._announced:
             self._announced = True
-            mine = self._encoded()
-            for q in range(self.size):
-                if q != self.rank:
-                    note = np.zeros(_NOTE, np.int64)
-                    note[:4] = (_WAIT, self.rank, self.sent[q], self.recvd[q])
-                    note[4:4 + FP_LEN] = mine
-                    self.post(note, q, TAG_NOTE)
+            self._tell(_WAIT, 0, self._encoded())
         self._read_notes()
+        for q, note in enumerate(self._notes):  # a bye stands for every later operation
+            if note is not None and note[0] == _BYE:
+                self._square(q, note)
+
+    def _tell(self, kind: int, arg: int, fp: np.ndarray | int = 0, text: str = "") -> None:
+        """Post a note of ``kind`` to every peer (see ``_NOTE``)."""
+        data = np.frombuffer(text.encode()[:_TEXT], np.uint8)
+        for q in range(self.size):
+            if q != self.rank:
+                note = np.zeros(_NOTE, np.int64)
+                note[:4] = (kind, arg, self.sent[q], self.recvd[q])
+                note[4:4 + FP_LEN] = fp
+                note[4 + FP_LEN:].view(np.uint8)[:data.size] = data
+                self.post(note, q, TAG_NOTE)
 
     def _read_notes(self) -> None:
         assert self._probe is not None and self.control is not None
@@ -276,8 +299,7 @@ class Guard:
             note = np.empty(_NOTE, np.int64)
             self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
             if note[0] == _ABORT:
-                text = bytes(note[4 + FP_LEN:].view(np.uint8)).rstrip(b"\0").decode()
-                self.fail(f"rank {q} reported: {text}", _KINDS[int(note[2])], tell=False)
+                self.fail(f"rank {q} aborted: {_text(note)}", _KINDS[int(note[1])], tell=False)
             self._notes[q] = note
             self._square(q, note)
 
@@ -289,16 +311,20 @@ class Guard:
         return a
 
     def _square(self, q: int, note: np.ndarray) -> None:
-        """Raise if ``q``'s note cannot be squared with what this rank is in."""
+        """Raise if ``q``'s note (what it waits in, or its bye: its final counts) cannot be
+        squared with what this rank is in."""
         if self._cur is None:
             return
-        theirs = note[4:4 + FP_LEN]
+        theirs, bye = note[4:4 + FP_LEN], note[0] == _BYE
         mine, r = self._encoded(), self.rank
         q_op, my_op = int(theirs[OP]), int(mine[OP])
-        if int(theirs[CSEQ]) < int(mine[CSEQ]):
+        if int(theirs[CSEQ]) < int(mine[CSEQ]) and not bye:
             return  # stale: q has since passed the collective this rank passed
         my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
-        if q_op in (SEND, RECV):
+        gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} "
+                f"{_text(note) or 'finished normally'} (its guard said bye) after issuing"
+                if bye else "")
+        if q_op in (SEND, RECV) and not bye:
             if int(theirs[DST] if q_op == SEND else theirs[SRC]) != r:
                 return
             need = int(note[2] if q_op == SEND else note[3])  # q's message number with me
@@ -311,16 +337,21 @@ class Guard:
                       f"is in {describe(mine)} and issued only {have} {side} rank {q}: a "
                       f"send or recv was skipped or is in the wrong order. Fix: {_HINT}")
         if my_op in (SEND, RECV):
-            if my_peer != q:
+            need, have = self._cur[3], int(note[3] if my_op == SEND else note[2])
+            if my_peer != q or have >= need:
                 return
-            need = self._cur[3]
-            have = int(note[3] if my_op == SEND else note[2])
-            if have >= need:
-                return
+            if bye:
+                self.fail(f"{gone} only {have} matching ops with rank {r}, so this rank's "
+                          f"message #{need} with it will never come. Fix: {_HINT}",
+                          PeerAbortedError)
             self.fail(f"point-to-point mismatch in group {self.group}: rank {r} waits in "
                       f"{describe(mine)} (its message #{need} with rank {q}) but rank {q} is "
                       f"in {describe(theirs)} and issued only {have} matching ops with rank "
                       f"{r}: a send or recv was skipped. Fix: {_HINT}")
+        elif bye:
+            if int(note[1]) <= int(mine[CSEQ]):
+                self.fail(f"{gone} {int(note[1])} collectives, so it will never join "
+                          f"collective #{int(mine[CSEQ])}. Fix: {_HINT}", PeerAbortedError)
         elif int(theirs[CSEQ]) != int(mine[CSEQ]) or digest(theirs) != digest(mine):
             self.fail(self.pair(r, mine, q, theirs))
 
@@ -368,20 +399,15 @@ class Guard:
     def late(self, what: str, limit: float) -> None:
         """Raise the CommTimeoutError of a wait past ``limit`` s, naming the absent ranks."""
         mine = self._encoded() if self._cur is not None else None
-        here = []
-        for q in range(self.size):
-            note = self._notes[q]
-            if (q != self.rank and note is not None and mine is not None
-                    and int(note[4 + CSEQ]) == int(mine[CSEQ])
-                    and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))):
-                here.append(q)
+        here = [q for q, note in enumerate(self._notes) if note is not None and mine is not None
+                and note[0] == _WAIT and int(note[4 + CSEQ]) == int(mine[CSEQ])
+                and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))]
         peers = [int(mine[SRC] if mine[OP] == RECV else mine[DST])] if (
             mine is not None and int(mine[OP]) in (SEND, RECV)) else range(self.size)
         missing = [q for q in peers if q != self.rank and q not in here]
         seen = "; ".join(f"last seen from rank {q}: " + (
-            "nothing" if self._notes[q] is None else
-            f"waiting in {describe(self._notes[q][4:4 + FP_LEN])}")  # type: ignore[index]
-            for q in missing)
+            "nothing" if (n := self._notes[q]) is None else "finished" if n[0] == _BYE else
+            f"waiting in {describe(n[4:4 + FP_LEN])}") for q in missing)
         op = describe(mine) if mine is not None else what
         if not missing:
             self.fail(f"{op} on rank {self.rank} (group {self.group}): every rank is in it, "
@@ -399,28 +425,16 @@ class Guard:
         flight recorder, and raise."""
         if self.failed is None:
             self.failed, self._failed_kind = text, kind
-            cur = self._cur
-            if rec < 0 and cur is not None:
-                _, seq, cseq, _, rec, fp = cur
-                if rec < 0 and fp is not None:
-                    rec = self.record(fp, seq, cseq)
-            state = {CollectiveMismatchError: "mismatch", CommTimeoutError: "timeout"}.get(
-                kind, "failed")
+            if rec < 0 and self._cur is not None:
+                _, seq, cseq, _, rec, fp = self._cur
+                rec = self.record(fp, seq, cseq) if rec < 0 and fp is not None else rec
             if self.recorder is not None and rec >= 0:
-                self.recorder.mark(rec, state, text)
+                self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
+                                         CommTimeoutError: "timeout"}.get(kind, "failed"), text)
             if tell and self.control is not None:
-                code = next((i for i, k in enumerate(_KINDS) if issubclass(kind, k)), 2)
-                data = text.encode()[:_TEXT]
-                for q in range(self.size):
-                    if q != self.rank:
-                        note = np.zeros(_NOTE, np.int64)
-                        note[:4] = (_ABORT, self.rank, code, 0)
-                        note[4 + FP_LEN:].view(np.uint8)[:len(data)] = np.frombuffer(data,
-                                                                                     np.uint8)
-                        try:
-                            self.post(note, q, TAG_NOTE)
-                        except CommError:
-                            break
+                with contextlib.suppress(CommError):
+                    self._tell(_ABORT, next((i for i, k in enumerate(_KINDS)
+                                             if issubclass(kind, k)), 3), text=text)
             try:
                 self.dump(reason=text)
             except OSError as e:  # a failed dump must not hide the failure itself
@@ -437,14 +451,35 @@ class Guard:
         self.dumped = True
         return self.recorder.dump(where, self.world_rank, reason=reason)
 
-    def close(self) -> None:
-        """Let the control messages still in flight go (up to 2 s), then release the
-        control channel; nothing is checked after."""
+    def bye(self, cseq: int, how: str = "") -> None:
+        """Tell every peer (once) that this guard closes, after ``cseq`` collectives, and
+        ``how`` the rank ended when it did not finish normally."""
+        if self._probe is not None and not self._said_bye:
+            self._said_bye = True
+            with contextlib.suppress(CommError):
+                self._tell(_BYE, cseq, text=how)
+
+    def close(self, cseq: int = 0) -> None:
+        """Say bye; read each peer's notes up to its bye and the send fingerprints its bye
+        counts, let the control messages in flight go (up to 2 s), then release the control
+        channel; nothing is checked after. A channel that did not drain within the timeout
+        is kept: a message still to come must not match in a later split given its context."""
+        control, drained, end = self.control, self._probe is None, time.monotonic() + self.timeout
+        self.bye(cseq)
+        with contextlib.suppress(CommError):
+            for q in range(0 if drained or control is None else self.size):
+                while q != self.rank and ((note := self._notes[q]) is None or note[0] != _BYE):
+                    self._notes[q] = note = np.empty(_NOTE, np.int64)
+                    control.recv(note, q, TAG_NOTE).wait(max(end - time.monotonic(), 1e-3))
+                for _ in range(self._desc_n[q], int(note[2]) if q != self.rank else 0):
+                    buf = np.empty(FP_LEN, np.int64)
+                    control.recv(buf, q, TAG_P2P).wait(max(end - time.monotonic(), 1e-3))
+            drained = True
         deadline = time.monotonic() + 2.0
         while self._outbox and time.monotonic() < deadline:
             self._outbox = [w for w in self._outbox if not w.test()]
-        control, self.control, self._probe = self.control, None, None
-        if control is not None and "finalize" in control.capabilities:
+        self.control = self._probe = None
+        if drained and control is not None and "finalize" in control.capabilities:
             control.finalize()  # type: ignore[attr-defined]
         if self.failed is None:
             self.failed, self._failed_kind = "it was closed", RuntimeError

@@ -8,12 +8,16 @@ distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). An
 all_reduce over a transport that declares ``checked`` hands its words to the transport's
 own meeting; every other collective meets on the guard's control channel first (see
 :mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
-the transport's typed error before any communication.
+the transport's typed error before any communication. Guards still open at interpreter
+exit or ``World.finalize`` say bye then (:func:`bye_all`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -33,7 +37,7 @@ from fuelspmd.transport import (
     check_peer,
 )
 
-__all__ = ["GuardedTransport", "GuardedWork"]
+__all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
 
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
 # what a guarded transport passes on of the inner one's capabilities (the checks and the
@@ -120,13 +124,16 @@ class GuardedTransport:
         self.group = group_id(range(transport.size)) if group is None else int(group)
         self.guard = Guard(transport, mode=mode, timeout=timeout, recorder=recorder,
                            group=self.group, world_rank=world_rank, trace_dir=trace_dir)
-        self.seq = 0
-        self.cseq = 0
+        self.seq = self.cseq = 0
         self._calls: dict[tuple[Any, ...], _Call] = {}
         self._checked = "checked" in transport.capabilities and self.guard.checks
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
         self._lean = self._checked and recorder is None and not self._debug
+        if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
+            _OPEN.add(self)
+            atexit.unregister(_at_exit)
+            atexit.register(_at_exit)
         if "lend" in self.capabilities:
             self.lend = transport.lend  # type: ignore[attr-defined]
             self.lent = transport.lent  # type: ignore[attr-defined]
@@ -324,8 +331,8 @@ class GuardedTransport:
                                 world_rank=g.world_rank, trace_dir=g.trace_dir)
 
     def close(self) -> None:
-        """Stop checking: let the guard's control messages go and release its channel."""
-        self.guard.close()
+        """Stop checking: say bye to the peers, drain and release the guard's channel."""
+        self.guard.close(self.cseq)
 
     def finalize(self) -> None:
         """Close the guard, then release the inner transport (collective)."""
@@ -341,3 +348,20 @@ class GuardedTransport:
                 self.guard.dump(reason=f"abort({code})")
         finally:
             self.inner.abort(code)
+
+
+_OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
+
+
+def bye_all(how: str = "") -> None:
+    """Say bye on every guard still open (at interpreter exit and ``World.finalize``).
+    None is closed: a close is collective (it frees shared windows), and a guard collected
+    on one rank only would hold the others; unfreed, no late bye matches in a split."""
+    for t in list(_OPEN):
+        t.guard.bye(t.cseq, how)
+
+
+def _at_exit() -> None:
+    """:func:`bye_all`, saying so when the interpreter ends on an unhandled exception."""
+    e = getattr(sys, "last_value", None)  # set as the interpreter prints it, before exit
+    bye_all("" if e is None else f"died of an unhandled {type(e).__name__} ({e})")

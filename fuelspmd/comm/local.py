@@ -13,9 +13,9 @@ is on a GPU (a ``cuda:0, cuda:1`` group) the collective stays on the GPUs: the b
 peer-copied to the first member's GPU, combined there with cupy, and each member's result
 is copied to its own GPU (:func:`_on_gpus`). A group mixing a GPU with host devices
 (``cuda:0, cpu:0``) is staged through host memory. A member whose program returned or
-failed without joining a collective the others wait in makes them raise at once, naming
-it; otherwise a wait gives up after ``timeout`` seconds, naming the members that never
-came.
+failed without joining a collective the others wait in, or without sending what one
+receives, makes them raise PeerAbortedError at once, naming it; otherwise a wait gives up
+after ``timeout`` seconds, naming the members that never came.
 
 Send/recv go through per-(src, dst, tag) mailboxes: a send deposits a copy and returns,
 a recv waits for its message (GPU buffers pass through host memory).
@@ -37,7 +37,7 @@ from fuelspmd.errors import (
     ConfigError,
     PeerAbortedError,
 )
-from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
+from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer, disagreement
 
 __all__ = ["LocalTransport", "local_group"]
 
@@ -121,11 +121,12 @@ class _Group:
     def _missing(self, present: Callable[[int], bool], what: str, seq: int) -> None:
         """Raise when a device we wait for has left; called with the lock held."""
         left = {r: how for r, how in self.gone.items() if not present(r)}
-        if left:
+        if left:  # as a rank whose peer finished or died (fuelspmd.comm.guard)
             names = ", ".join(f"{self.devices[r]} ({how})" for r, how in sorted(left.items()))
-            kind = PeerAbortedError if "failed" in left.values() else CollectiveMismatchError
-            raise kind(f"{what} #{seq}: device(s) {names} will never join it; every device "
-                       "of a group must issue the same collectives in the same order")
+            raise PeerAbortedError(f"{what} #{seq}: device(s) {names} left the group without "
+                                   "issuing it, so it will never complete; every device must "
+                                   "issue the same collectives in the same order, and every "
+                                   "recv needs a send")
 
     def _wait(self, ready: Callable[[], bool], present: Callable[[int], bool], what: str,
               seq: int) -> None:
@@ -206,18 +207,9 @@ class _Group:
         return slot.done
 
     def _compare(self, fps: list[Any], seq: int) -> CollectiveMismatchError | None:
-        first = fps[0]
-        diffs = []
-        for r, fp in enumerate(fps[1:], 1):
-            fields = [k for k in first if fp.get(k) != first.get(k)]
-            if fields:
-                diffs.append(f"{self.devices[0]} has " + ", ".join(
-                    f"{k}={first[k]}" for k in fields) + f" but {self.devices[r]} has "
-                    + ", ".join(f"{k}={fp[k]}" for k in fields))
-        if not diffs:
-            return None
-        return CollectiveMismatchError(f"collective #{seq} differs between devices: "
-                                       + "; ".join(diffs))
+        """The agreement of agree() (fuelspmd.transport), on what the devices brought."""
+        text = disagreement(f"collective #{seq}", fps, self.devices)
+        return None if text is None else CollectiveMismatchError(text)
 
     def post(self, key: tuple[int, int, int], data: np.ndarray) -> None:
         with self.cond:

@@ -34,10 +34,12 @@ from fuelspmd.distributed_cache.manager import BlockCopy, KVCacheManager, SeqId
 from fuelspmd.distributed_cache.prefix import ExtraKey, encode_key, encode_tokens
 from fuelspmd.errors import CacheDivergenceError, CacheUsageError, ConfigError
 from fuelspmd.tensor import Tensor, tensor
+from fuelspmd.transport import disagreement
 
 __all__ = ["CacheDivergenceError", "KVCacheCoordinator"]
 
 _ALLOCATE, _APPEND, _FORK, _FREE, _EVICT = 1, 2, 3, 4, 5
+_CALLS = {_ALLOCATE: "allocate", _APPEND: "append", _FORK: "fork", _FREE: "free", _EVICT: "evict"}
 _INT, _STR, _NONE, _POOL = 0, 1, 2, 3
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _HEADER = 8  # op, id kind, id value/len, child kind, child value/len, n tokens, is count, 0
@@ -208,16 +210,14 @@ class KVCacheCoordinator:
                 head[slot], head[slot + 1] = _INT, int(sid)
         head[0], head[5], head[6] = op, (int(tokens) if is_count else len(ids)), is_count  # type: ignore[arg-type]
         payload += ids
-        heads = self._gather(head.reshape(1, _HEADER))  # every rank's call, for the check
+        # every rank's call: the check, and rank 0's lengths for the broadcast (so not
+        # agree(), which would cost a collective more and be eager on the transport)
+        heads = self._gather(head.reshape(1, _HEADER))
         got = heads[0]
-        calls = [int(h[0]) for h in heads]
-        if any(c != calls[0] for c in calls):
-            names = {_ALLOCATE: "allocate", _APPEND: "append", _FORK: "fork", _FREE: "free",
-                     _EVICT: "evict"}
-            raise CacheUsageError(
-                "leader mode: the ranks made different calls: " + ", ".join(
-                    f"rank {r} {names[c]}" for r, c in enumerate(calls)) + "; every rank must "
-                "call the coordinator's methods in the same order (the arguments may differ)")
+        wrong = disagreement("KVCacheCoordinator(mode='leader') (the arguments may differ)",
+                             [{"call": _CALLS[int(h[0])]} for h in heads])
+        if wrong:
+            raise CacheUsageError(wrong)
         length = self._body_len(got)
         body = np.zeros(0, dtype=np.int64)
         if length:

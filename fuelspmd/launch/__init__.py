@@ -55,7 +55,7 @@ from fuelspmd.backend import Device, cuda_device_count
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.comm.guard import MODES
-from fuelspmd.comm.guarded import GuardedTransport
+from fuelspmd.comm.guarded import GuardedTransport, bye_all
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
@@ -131,7 +131,8 @@ class World:
         return self.transport.guard.dump(reason=reason)
 
     def finalize(self) -> None:
-        """Release the transport and the crash handler; a later ``init()`` starts afresh."""
+        """Say bye on every guard (their peers learn that this rank finished), release the
+        transport (collective) and the crash handler; a later ``init()`` starts afresh."""
         global _WORLD
         if self._hooks is not None:
             remove_crash_handler(self._hooks)
@@ -140,6 +141,7 @@ class World:
             self._watch.stop()
             self._watch = None
         self._comm = None
+        bye_all()  # on every guard of the job, the splits' too: their peers learn of it now
         if "finalize" in self.transport.capabilities:
             self.transport.finalize()  # type: ignore[attr-defined]
         if _WORLD is self:

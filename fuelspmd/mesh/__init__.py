@@ -34,11 +34,8 @@ DeviceGroup, where each device's program builds its own mesh from its Communicat
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from fuelspmd.comm import Communicator
 from fuelspmd.cost import load_calibration
@@ -53,8 +50,8 @@ from fuelspmd.mesh.placement import (
     place,
     transformer_traffic,
 )
-from fuelspmd.tensor import tensor
 from fuelspmd.topology import Topology, detect
+from fuelspmd.transport import agree
 
 __all__ = ["AXES", "CONVENTION", "Mesh", "Placement", "Traffic", "place",
            "transformer_traffic"]
@@ -211,26 +208,18 @@ def _topology(comm_or_world: Any, size: int) -> Topology:
         "topology is detected")
 
 
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
 def _agree(comm: Communicator, placement: Placement, topo: Topology) -> None:
-    """All-gather the decision and digests of its inputs; every rank raises the same
-    ConfigError if any rank decided differently."""
-    if comm.size == 1:
-        return
-    mine = np.array([_digest(repr(placement.order)), _digest(repr(placement.traffic)),
-                     _digest(topo.table())], dtype=np.int64)
-    got = comm.all_gather(tensor(mine, device=comm.device), axis=0).numpy().reshape(-1, 3)
-    if (got[:, 0] == got[0, 0]).all():
-        return  # inputs may differ in detail (a core count), but every rank chose the same
-    bad = [r for r in range(comm.size) if (got[r] != got[0]).any()]
-    fields = [name for k, name in enumerate(("order", "traffic", "topology"))
-              if (got[:, k] != got[0, k]).any()]
-    raise ConfigError(
-        f"Mesh(order='auto'): ranks {bad} chose a different order from rank 0 ({fields} "
-        f"differ); give every rank the same traffic= and topology=")
+    """Raise the same ConfigError on every rank if any rank chose another order, naming
+    the inputs that differ and the ranks. The inputs may differ in detail (a core count)
+    where every rank chose the same order: only then are they compared."""
+    comm.flush()  # an eager exchange on the transport, after what this communicator issued
+    what, t = "Mesh(order='auto') (give every rank the same traffic= and topology=)", comm.transport
+    try:
+        agree(t, what, timeout=comm.timeout, error=ConfigError, order=placement.order)
+    except ConfigError as e:  # every rank is here: name the inputs that differ too
+        agree(t, f"{e}. Its inputs", timeout=comm.timeout, error=ConfigError,
+              traffic=placement.traffic, topology=topo.table())
+        raise
 
 
 def _communicator(comm_or_world: Any) -> Communicator:

@@ -106,17 +106,16 @@ def matrix(out: str, rounds: int) -> None:
         log.write(f"{name} {got} {time.monotonic() - t0:.2f}\n")
         log.flush()
         # what the fault left unreceived goes before the splits are freed (MPI reuses
-        # their contexts)
-        world.comm.Barrier()
-        for comm in (g.guard.control.comm, t.comm):  # type: ignore[union-attr]
-            from mpi4py import MPI
-
-            st = MPI.Status()
-            while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
-                comm.Recv(np.empty(st.Get_count(MPI.BYTE), np.uint8), st.Get_source(),
-                          st.Get_tag())
-        world.comm.Barrier()
+        # their contexts): the guard's close drains its control channel, this the data's
         g.close()
+        world.comm.Barrier()
+        from mpi4py import MPI
+
+        st = MPI.Status()
+        while t.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, st):
+            t.comm.Recv(np.empty(st.Get_count(MPI.BYTE), np.uint8), st.Get_source(),
+                        st.Get_tag())
+        world.comm.Barrier()
         t.finalize()
 
 

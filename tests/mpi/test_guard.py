@@ -60,8 +60,8 @@ def guarded(world: Any, algorithm: str = "mpi", *, recorder: bool = True,
             timeout: float = GUARD_TIMEOUT, nodes: list[int] | None = None, mode: str = "default",
             trace_dir: str | None = None) -> Iterator[GuardedTransport]:
     """A guard over a fresh split of the world whose all_reduce policy is ``algorithm``;
-    the split is drained and finalized after (a test that leaves it out of step harms no
-    other)."""
+    the guard is closed (which drains its control channel) and the split drained and
+    finalized after (a test that leaves it out of step harms no other)."""
     t = world.split(0, world.rank)
     g = None
     try:
@@ -72,8 +72,6 @@ def guarded(world: Any, algorithm: str = "mpi", *, recorder: bool = True,
         yield g
     finally:
         if g is not None:
-            if g.guard.control is not None:
-                drain(g.guard.control.comm, world.comm)
             g.close()
         drain(t.comm, world.comm)
         t.finalize()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def test_device_that_never_joins_is_named() -> None:
             return None
         return comm.all_reduce(fs.tensor(x, device=comm.device)).numpy()
 
-    with pytest.raises(CollectiveMismatchError, match=r"cpu:2 \(returned\)"):
+    with pytest.raises(PeerAbortedError, match=r"cpu:2 \(returned\)"):
         DeviceGroup.cpu(3, timeout=TIMEOUT).run(fn, [np.ones(2)] * 3)
 
 
@@ -142,14 +143,41 @@ def test_failed_device_makes_others_raise_quickly() -> None:
     assert len(seen) == 2 and all("cpu:0 (failed)" in str(e) for e in seen)
 
 
+def test_device_that_returns_early_fails_a_recv_from_it_at_once() -> None:
+    """As under mpiexec (tests/unit/test_peer_exit.py): a peer that finished without
+    sending what this device receives makes the recv raise PeerAbortedError at once."""
+    took: list[float] = []
+
+    def fn(comm: fs.Communicator) -> None:
+        if comm.rank == 0:
+            start = time.monotonic()
+            try:
+                comm.recv((2,), "float64", 1).numpy()
+            finally:
+                took.append(time.monotonic() - start)
+
+    with pytest.raises(PeerAbortedError, match=r"recv from cpu:1 #0: device\(s\) cpu:1 "
+                       r"\(returned\) left the group without issuing it"):
+        DeviceGroup.cpu(2, timeout=600.0).run(fn)
+    assert took[0] < 5.0, took
+
+
 def test_mismatch_names_devices_and_fields() -> None:
     def fn(comm: fs.Communicator, x: np.ndarray) -> np.ndarray:
         n = 3 if comm.rank == 1 else 2
         return comm.all_reduce(fs.tensor(x[:n], device=comm.device)).numpy()
 
-    with pytest.raises(CollectiveMismatchError, match=r"cpu:0 has shape=\(2,\).*cpu:1 has "
-                                                      r"shape=\(3,\)"):
+    with pytest.raises(CollectiveMismatchError, match=r"collective #0: the ranks disagree "
+                       r"\(shape: cpu:0 has \(2,\), cpu:1 has \(3,\)\)"):
         DeviceGroup.cpu(2, timeout=TIMEOUT).run(fn, [np.ones(4)] * 2)
+
+    def other_op(comm: fs.Communicator, x: np.ndarray) -> np.ndarray:
+        op = "max" if comm.rank == 2 else "sum"
+        return comm.all_reduce(fs.tensor(x, device=comm.device), op).numpy()
+
+    with pytest.raises(CollectiveMismatchError, match=r"disagree \(reduce_op: cpu:0 has sum, "
+                       r"cpu:2 has max\); every rank must"):
+        DeviceGroup.cpu(3, timeout=TIMEOUT).run(other_op, [np.ones(4)] * 3)
 
 
 def test_build_time_errors() -> None:
@@ -307,7 +335,7 @@ def test_unreceived_send_is_reported_and_the_group_recovers() -> None:
             comm.all_reduce(t).realize()  # device 1 never joins this one
         return x
 
-    with pytest.raises(CollectiveMismatchError, match="cpu:1 \\(returned\\)"):
+    with pytest.raises(PeerAbortedError, match="cpu:1 \\(returned\\)"):
         group.run(mismatched, [np.ones(2)] * 2)
     # the failed runs left the devices at different collectives; the next run starts clean
     outs = group.run(lambda c, x: c.all_reduce(fs.tensor(x, device=c.device)).numpy(),

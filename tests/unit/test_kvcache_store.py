@@ -213,7 +213,7 @@ def test_leader_mode_catches_a_rank_making_another_call() -> None:
         return "no error"
 
     for msg in fs.DeviceGroup.cpu(2, timeout=20).run(prog, [0, 1]):
-        assert "different calls: rank 0 append, rank 1 free" in msg
+        assert "the ranks disagree (call: rank 0 has append, rank 1 has free)" in msg, msg
 
 
 def test_coordinator_rejects_bad_configuration() -> None:

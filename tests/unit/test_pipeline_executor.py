@@ -19,7 +19,7 @@ import pytest
 import fuelspmd as fs
 from fuelspmd import nn
 from fuelspmd.device_group import DeviceGroup
-from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.errors import CollectiveMismatchError, ConfigError, ShapeError
 from fuelspmd.mesh import Mesh
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule, simulate
 from fuelspmd.pipeline_parallel.render import chrome_trace
@@ -200,6 +200,18 @@ def test_bad_configuration_is_refused() -> None:
             ex.timeline()
 
     DeviceGroup.cpu(2, timeout=TIMEOUT).run(body)
+
+
+def test_ranks_that_build_different_executors_are_named() -> None:
+    def body(comm: fs.Communicator) -> str:
+        with pytest.raises(CollectiveMismatchError) as e:
+            PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[_linear],
+                             params=[[np.eye(3)]], loss=P.mse, recompute=comm.rank == 1)
+        return str(e.value)
+
+    for text in DeviceGroup.cpu(2, timeout=TIMEOUT).run(body):
+        assert "PipelineExecutor: the ranks disagree (recompute: rank 0 has False, rank 1 " \
+               "has True)" in text, text
 
 
 def test_a_loss_that_is_not_scalar_is_refused() -> None:

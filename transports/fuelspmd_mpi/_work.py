@@ -26,7 +26,7 @@ import ctypes
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,48 +34,55 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["MPIWork", "ReducePlan", "Types", "local_reduce"]
+__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce"]
 
 # A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
-# small collective completes within a few, so 8 B latency stays at raw MPI's.
+# small collective completes within a few.
 _BURST = 64
-# After this long a wait yields the core between bursts, as MPI libraries' blocking waits
-# do after some polls. A spinning rank otherwise keeps the core its peer (or another
-# process: these machines are shared) needs for a whole time slice. Measured interleaved,
-# 1 MiB all_reduce at 2 ranks on 2 busy cores: 0.75 ms yielding after 10 us, 2.8 ms after
-# 1 ms (blocking MPI: 0.61 ms); at 3 ranks, 8 B: 0.66 ms against 2.6 ms. A wait that ends
-# within its first 65 polls (most small collectives) never yields.
+# After this long a wait yields the core between bursts, as MPI's own blocking waits do
+# after some polls: a spinning rank otherwise keeps the core its peer (or another job)
+# needs for a whole time slice. A wait that ends within its first burst never yields.
 _YIELD_AFTER_S = 1e-5
+UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
-class ReducePlan:
+class ReducePlan(NamedTuple):
     """How one (dtype, op) pair is reduced: MPI type and op, and an optional float32 stage."""
 
-    __slots__ = ("avg", "datatype", "mpi_op", "stage")
-
-    def __init__(self, datatype: Any, mpi_op: Any, stage: np.dtype | None, avg: bool) -> None:
-        self.datatype, self.mpi_op, self.stage, self.avg = datatype, mpi_op, stage, avg
+    datatype: Any
+    mpi_op: Any
+    stage: np.dtype | None
+    avg: bool
 
 
 class Types:
-    """The MPI datatypes and reduce plans of one MPI library, built once per transport."""
+    """The MPI datatypes and reduce plans of one MPI library, built once per transport.
+
+    A plan is a table lookup: ``reduce_as`` gives the MPI type a dtype is reduced in and
+    its stage (the 16-bit floats: float32), ``ops`` the MPI op per ReduceOp for numbers
+    and for bool (logical or / and).
+    """
 
     def __init__(self, MPI: Any) -> None:
         self.MPI = MPI
-        u16 = MPI.UINT16_T
+        u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
         self.bf16 = to_numpy(bfloat16)
         self.move: dict[np.dtype, Any] = {
             np.dtype(np.float16): u16, self.bf16: u16,
-            np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+            f32: MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
             np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
             np.dtype(np.bool_): MPI.C_BOOL,
         }
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-                     ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
-        self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}
+        self.reduce_as = {dt: (MPI.FLOAT, f32) if dt.itemsize == 2 else (mt, None)
+                          for dt, mt in self.move.items()}
+        self.ops = {False: {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+                            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                            ReduceOp.AVG: MPI.SUM},
+                    True: {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+                           ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}}
         # by op name, then dtype: hashing a (dtype, op) tuple, or an Enum member (its
-        # __hash__ is Python code), costs 0.2-0.3 us on every call
+        # __hash__ is Python code), costs more than the rest of a small call's bookkeeping
         self.plans: dict[str, dict[np.dtype, ReducePlan]] = {op.value: {} for op in ReduceOp}
 
     def view(self, buf: Any) -> Any:
@@ -85,19 +92,14 @@ class Types:
     def plan(self, dt: np.dtype, op: ReduceOp, where: str) -> ReducePlan:
         """Return the reduce plan of ``dt`` and ``op``; DTypeError for avg over bool."""
         found = self.plans[op.value].get(dt)
-        if found is not None:
-            return found
-        avg = op is ReduceOp.AVG
-        if dt == np.bool_:
-            if avg:
+        if found is None:
+            logical = dt == np.bool_
+            if logical and op is ReduceOp.AVG:
                 raise DTypeError(f"{where}: avg is not defined for bool buffers; use 'sum' "
                                  f"(logical or) or 'prod' (logical and), or cast to a number")
-            found = ReducePlan(self.MPI.C_BOOL, self._bool_ops[op], None, False)
-        elif dt.itemsize == 2:  # float16, bfloat16: reduce in float32
-            found = ReducePlan(self.MPI.FLOAT, self._ops[op], np.dtype(np.float32), avg)
-        else:
-            found = ReducePlan(self.move[dt], self._ops[op], None, avg)
-        self.plans[op.value][dt] = found
+            datatype, stage = self.reduce_as[dt]
+            found = self.plans[op.value][dt] = ReducePlan(
+                datatype, self.ops[logical][op], stage, op is ReduceOp.AVG)
         return found
 
 
@@ -117,51 +119,40 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
         ufunc.reduce(parts, axis=0, out=out)
     elif plan.stage is None:
-        _UFUNCS[op].reduce(parts, axis=0, out=out)
+        UFUNCS[op].reduce(parts, axis=0, out=out)
         if plan.avg:
             divide(out, parts.shape[0])
     else:
-        wide = _UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
+        wide = UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide
 
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
-
-
 class MPIWork:
     """A started MPI operation: ``test`` polls it, ``wait`` polls it against a deadline.
 
-    ``wait`` never sleeps (unlike :func:`fuelspmd.transport.poll_until`, which backs off to
-    1 ms sleeps): MPI progresses a non-blocking collective only inside MPI calls, so a rank
-    asleep between two ``MPI_Test`` stalls its peers too. Measured at 2 ranks on 2 busy
-    cores, the sleeping poll made an 8 B all_reduce take 0.4 ms instead of 5 us. It polls
-    continuously, as MPI's own blocking calls do, reads the clock every 64 polls for the
-    deadline, and after 10 us yields the core between bursts, so a rank sharing a core
-    with its peer lets it run.
+    ``wait`` never sleeps (unlike :func:`fuelspmd.transport.poll_until`): MPI progresses a
+    non-blocking collective only inside MPI calls, so a rank asleep between two
+    ``MPI_Test`` stalls its peers too. It polls as MPI's own blocking calls do, reads the
+    clock once per burst for the deadline, and after ``_YIELD_AFTER_S`` yields the core
+    between bursts, so a rank sharing a core with its peer lets it run.
 
-    ``finish`` runs once, on the rank's own thread, when the request completes (it copies a
-    float32 stage back, or divides for avg). ``owner.explain(op, seq, peer, tag)`` names
-    the operation and says who failed to join, for the CommTimeoutError message; it is
-    called only on the slow path, so starting a Work costs a few attribute stores. After
-    a timeout the request is still posted: the Work can be waited on again, and a receive
-    can be withdrawn with :meth:`cancel`.
+    ``finish`` runs once, on the rank's own thread, when the request completes (a float32
+    stage copied back, the division of avg). ``keep`` holds the buffers MPI reads and
+    writes until then: a caller may pass a temporary. ``owner.explain(op, seq)`` words the
+    CommTimeoutError, on the slow path only, so starting a Work costs a few stores. After a
+    timeout the request is still posted: the Work can be waited on again, and a receive
+    withdrawn with :meth:`cancel`.
     """
 
     __slots__ = ("_finish", "_keep", "_op", "_owner", "_req", "_seq")
 
     def __init__(self, req: Any, owner: Any, op: str | tuple[str, int, int], seq: int,
                  finish: Callable[[], None] | None = None, keep: Any = None) -> None:
-        # a few stores and no more: this runs on every operation (``op`` is a name, or
-        # (name, peer, tag) for send/recv); ``_req is None`` marks a completed Work.
-        # ``keep`` holds the buffers MPI reads and writes until the request completes: a
-        # caller may pass a temporary (``t.all_reduce(np.array(x), op)``) and MPI must not
-        # write into freed memory
-        self._req = req
+        self._req = req  # None once complete
         self._owner = owner
-        self._op = op
+        self._op = op  # a name, or (name, peer, tag) for send and recv
         self._seq = seq
         self._finish = finish
         self._keep = keep

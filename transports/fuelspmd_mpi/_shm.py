@@ -1,85 +1,80 @@
 """The shared-memory all-reduce: the ranks of one node reduce through MPI-3 shared windows.
 
-MPICH's Allreduce between processes of a node moves every byte through its own shared
-queues: a ring copies it into and out of them about ``4 (n-1)/n`` times and matches
-messages. Here every rank maps every rank's segment of one ``MPI_Win_allocate_shared``
-window and works on it with plain loads and stores (numpy, ``out=``). Rank ``r`` owns the
-slice ``[lo_r, hi_r)`` of the ``count`` elements (``count // n``, the first ``count % n``
-ranks one more). The copy-in path, for an input in the caller's own buffer:
+MPICH's Allreduce within a node moves every byte through its shared queues: a ring copies
+it into and out of them about ``4 (n-1)/n`` times and matches messages. Here every rank
+maps every rank's segment of an ``MPI_Win_allocate_shared`` window and works on it with
+plain loads and stores (numpy, ``out=``). Rank ``r`` owns the slice ``[lo_r, hi_r)`` of
+the ``count`` elements (``count // n``, the first ``count % n`` ranks one more). An input
+in the caller's own buffer takes the copy-in path:
 
 1. copy in: ``r`` copies its buffer, all but its own slice, into its segment's data area;
 2. sync; fold: ``r`` folds ``x_0 op x_1 op ... op x_{n-1}`` over its slice, left in rank
    order, in chunks that stay in cache, into its buffer and a result area of its segment;
 3. sync; copy out: ``r`` copies slice ``k`` from rank ``k``'s result area, ``k != r``.
 
-Per rank that is ``(n-1)/n N`` bytes copied in, ``N`` read and ``2N/n`` written by the fold,
-``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, no message matching. Two
-syncs, not three: calls alternate between two result areas, so a rank may start its next
-call while a slower peer still copies out of this one's; an area is written again two
-calls later, after a sync that peer must have passed.
+That is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold, ``(n-1)/n N``
+copied out per rank: about ``2 + 2/n`` passes over memory, no matching. Two syncs, not
+three: calls alternate between two result areas, so a rank may start its next call while
+a slower peer still copies out; an area is written again two calls later, after a sync
+that peer must have passed.
 
-Placed inputs (the transport's ``lend``). Per size class there are *lent* windows, whose
-areas :meth:`ShmAllReduce.lend` hands out. When every rank's input starts a lent area (not
-necessarily the same one) nothing is copied: each rank folds its slice and writes the
-result into that slice of every rank's area (no other rank touches that slice of any
-area), and after one sync every area holds the whole result: ``N`` read and ``N`` written
-per rank, one pass. A lent area is never the copy-in area, so a caller may hold a result
-in one while other all_reduces of its size run. A class gets one more lent window when a
-rank asked for a free area and found none (the class's first, or all held: the buckets of
-one step); the ask rides in its next header, and at the end of that call every rank adds
-one, up to ``LENT_MAX`` and within the cap.
+Placed inputs (the transport's ``lend``): per size class, *lent* windows whose areas
+:meth:`ShmAllReduce.lend` hands out. When every rank's input starts a lent area (not
+necessarily the same one) nothing is copied: each rank folds its slice into that slice of
+every rank's area (no other rank touches it), and after one sync every area holds the
+whole result: ``N`` read and ``N`` written per rank. A lent area is never the copy-in
+area, so a caller may hold a result in one while other all_reduces of its size run. A
+rank that asks for a free area and finds none (the class's first, or all held: the buckets
+of one step) says so in its next header, and at the end of that call every rank adds a
+lent window, up to ``LENT_MAX`` and within the cap.
 
-Pipelined, from ``PIPE_MIN`` bytes when every rank has a core of its own: the same three
-steps per chunk of ``_CHUNK`` bytes through two small slots per rank, the syncs being flag
-handshakes; the slots stay in cache where a whole-size window does not. With more ranks
-than cores a handshake per chunk waits for a time slice, so such groups keep the
-whole-size path, as do the ``_SLOW_CALLS`` calls after one whose handshakes waited past
-the spin (a peer lost its core).
+Pipelined, from ``PIPE_MIN`` bytes when every rank has a core of its own: the three steps
+per chunk of ``_CHUNK`` bytes through two small slots per rank, the syncs being flag
+handshakes, so the slots stay in cache where a whole-size window does not. With more ranks
+than cores each handshake would wait for a time slice; such groups keep the whole-size
+path, as do the ``_SLOW_CALLS`` calls after one whose handshakes waited (a peer lost its
+core).
 
-The header. Each call first writes its header into the rank's line of the flag window
-(``_FLAG_WORDS`` int64 words per rank), then every rank meets at the first sync:
+Each call first writes a header into its rank's line of the flag window (``_FLAG_WORDS``
+int64 words), then the ranks meet at the first sync:
 
 ====  ===================================================================================
 word  meaning
 ====  ===================================================================================
 0     phase counter, raised at every sync (:meth:`ShmAllReduce._sync`)
 1, 2  the pipelined path's two handshakes: the chunk number
-3     element count                                        \\
-4     dtype (``dtype.num``)                                 | must be equal on every rank
-5     op (its index in ``ReduceOp``)                        |
-6     call number: shm all-reduces of this group so far    /
+3-6   element count, dtype (``dtype.num``), op (index in ``ReduceOp``), call number (shm
+      all-reduces of this group so far): must be equal on every rank
 7-9   the caller's check words (``Check``: the ``checked`` capability)
-10    which lent area of the class holds the input: its index plus one, 0 for none
+10    the lent area of the class that holds the input: its index plus one; 0 for none
 11    1: this rank asks for one more lent area of the class
 12    1: this rank lost its core lately (keep off the pipelined path)
 ====  ===================================================================================
 
-Why every rank decides alike. After the first sync every rank reads the same lines. Ranks
-whose words 3-6 differ all raise CollectiveMismatchError before any data area is read (no
-rank reads past a peer's segment); otherwise every choice is a pure function of those
-lines: the path (placed when every word 10 is set; pipelined when the size allows and no
-word 12 is; else copy-in), whether the copy-in window must be made first, whether a lent
-window is added (any word 11). Allocating and freeing a window is collective, and happens
-only at such points, where every rank is in the same call of the same size. Which windows
-exist, and so whether one more fits under the cap, follows from the sequence of
-collective sizes, the same on every rank; the cap and whether to pipeline are agreed once.
+Every rank decides alike. After the first sync all ranks read the same lines. Where words
+3-6 differ, every rank raises CollectiveMismatchError before any data area is read (none
+reads past a peer's segment); otherwise each choice is a pure function of those lines: the
+path (placed when every word 10 is set; pipelined when the size allows and no word 12 is
+set; else copy-in), whether the copy-in window is made first, whether a lent window is
+added (any word 11). Making and freeing a window is collective and happens only there,
+where every rank is in the same call of the same size. Which windows exist, and so whether
+one more fits under the cap, follows from the sequence of collective sizes, the same on
+every rank; the cap and whether to pipeline are agreed once, at creation.
 
-Results: the left fold in rank order is bitwise the same on every rank and equals
-``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; MPI may associate a float sum
-differently (floats agree to rounding, integers bitwise). avg is sum, then division by
-``n`` (floor division for integers), as on the MPI path.
+Results: the left fold in rank order is bitwise the same on every rank, equal to
+``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; against MPI floats agree to
+rounding, integers bitwise. avg is sum, then division by ``n`` (floor for integers).
 
-Memory: shared windows have MPI-3's unified model (checked); each is held under a
-``Lock_all`` epoch for its life, and a sync is ``Win.Sync`` (a full memory barrier in
-MPICH and Open MPI) around a flag handshake polled against the transport's deadline: a
-missing rank gives CommTimeoutError naming it, never a hang. A handshake, not
-``MPI_Ibarrier``: a rank waiting inside MPI yields its core, and on a busy machine may
-lose it for a time slice. Windows are per size class (powers of two, at least
-``MIN_CLASS``), kept until :meth:`ShmAllReduce.free` and capped per rank; a size whose
-window would not fit runs MPI's own. They are pages of ``/dev/shm``, and a window whose
-pages do not fit kills its process with SIGBUS at the first store, so the cap is at most a
-quarter of the free space over the ranks (a copy-in window with its result areas takes up
-to twice its class; other jobs share the space).
+Memory: shared windows have MPI-3's unified model (checked), each held under a
+``Lock_all`` epoch for its life. A sync is ``Win.Sync`` (a full memory barrier in MPICH
+and Open MPI) around a flag handshake polled against the transport's deadline (a missing
+rank gives CommTimeoutError naming it), not ``MPI_Ibarrier``: a rank waiting inside MPI
+yields its core, and on a busy machine may lose it for a time slice. Windows go by size
+class (powers of two, at least ``MIN_CLASS``), are kept until :meth:`ShmAllReduce.free`
+and capped per rank: a size whose window does not fit runs MPI's own. They are pages of
+``/dev/shm``, and a window whose pages do not fit kills its process with SIGBUS at the
+first store, so the cap is at most a quarter of the free space over the ranks (a copy-in
+window takes up to twice its class; other jobs share the space).
 
 Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when the
 group spans nodes (the hierarchical path, :mod:`fuelspmd_mpi._hier`, serves those).
@@ -88,7 +83,6 @@ group spans nodes (the hierarchical path, :mod:`fuelspmd_mpi._hier`, serves thos
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -96,9 +90,9 @@ from typing import Any, NoReturn
 import numpy as np
 
 from fuelspmd.backend import tracked
-from fuelspmd.errors import CollectiveMismatchError, CommTimeoutError
-from fuelspmd.transport import WATCH_S, Check, Disagreement, ReduceOp
-from fuelspmd_mpi._work import UFUNCS, divide
+from fuelspmd.errors import CollectiveMismatchError
+from fuelspmd.transport import Check, Disagreement, ReduceOp
+from fuelspmd_mpi._work import UFUNCS, divide, spin
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "Window", "size_class"]
 
@@ -349,38 +343,22 @@ class ShmAllReduce:
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
-        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``.
-
-        ``check.watch()`` is called every ``WATCH_S``; the wait ends at the transport's
-        deadline (or ``check.timeout`` if sooner) with CommTimeoutError naming the ranks
-        whose flag never rose. ``Win.Sync`` of the flag window on both sides is a full
-        memory barrier, so stores to the data windows are covered too.
-        """
-        self._flags[self.rank][slot] = k
-        self._flag.win.Sync()
+        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``
+        (:func:`~fuelspmd_mpi._work.spin`, calling ``check.watch``, until the deadline or
+        ``check.timeout`` if sooner: CommTimeoutError naming the ranks whose flag never
+        rose). ``Win.Sync`` of the flag window on both sides is a full memory barrier, so
+        stores to the data windows are covered too."""
         flags = self._flags
-        clock = time.monotonic
-        began = start = clock()  # the deadline's start; the current spin's
-        watched = began + WATCH_S
-        limit = self.timeout if check is None else min(self.timeout, check.timeout)
-        spins = 0
-        while True:
-            if all(f[slot] >= k for f in flags):
-                break
-            spins += 1
-            if spins & 63 == 0:
-                now = clock()
-                if now - began > limit:
-                    missing = [j for j, f in enumerate(flags) if f[slot] < k]
-                    raise CommTimeoutError(f"{self._late(seq, limit)} (rank(s) {missing} of "
-                                           f"the group never reached it)")
-                if check is not None and now > watched:
-                    check.watch()
-                    watched = clock() + WATCH_S
-                if now - start > self._spin_s:
-                    self._waited += now - start
-                    start = now
-                    os.sched_yield()
+        flags[self.rank][slot] = k
+        self._flag.win.Sync()
+
+        def late(limit: float) -> str:
+            missing = [j for j, f in enumerate(flags) if f[slot] < k]
+            return f"{self._late(seq, limit)} (rank(s) {missing} of the group never reached it)"
+
+        self._waited += spin(lambda: all(f[slot] >= k for f in flags),
+                             self.timeout if check is None else min(self.timeout, check.timeout),
+                             late, None if check is None else check.watch, self._spin_s)
         self._flag.win.Sync()
 
     # -- the all-reduce ------------------------------------------------------------------

@@ -65,11 +65,8 @@ _RECORD = 3 + INLINE // 8
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
-    """Whether ``buf`` surely passes check_buffers: a C-contiguous numpy array of a known dtype.
-
-    check_buffers looks the dtype up by name; this is a few attribute reads. Anything else
-    goes through check_buffers, which raises the typed error, so the errors are its own.
-    """
+    """Whether ``buf`` surely passes check_buffers (a C-contiguous numpy array of a known
+    dtype), in a few attribute reads; anything else goes through check_buffers."""
     return type(buf) is _ndarray and buf.flags.c_contiguous and buf.dtype in move
 
 
@@ -157,8 +154,8 @@ class MPITransport:
 
     def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...],
                 *extra: Any) -> Work | None:
-        """Non-numpy buffers: None to go on as they are (CUDA-aware MPI), the Work of the
-        operation run on pinned host copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
+        """Non-numpy buffers: None to go on (CUDA-aware MPI), the Work on pinned host
+        copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
         return stage(getattr(self, op), bufs, outs, *extra, op=op,
                      aware=lambda: self.cuda_aware[0])
 
@@ -173,15 +170,9 @@ class MPITransport:
             return self._staged(op, (send, recv), (1,), *extra)
         return None
 
-    # -- collectives ---------------------------------------------------------------------
-
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
-        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
-
-        Sizes that :meth:`set_all_reduce_policy` put on the shared-memory or hierarchical
-        path go through it instead and are complete when this returns (the Work is
-        already done).
-        """
+        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``,
+        or the path the route gives its size: then complete on return)."""
         return self._all_reduce(buf, op, None)
 
     def all_reduce_checked(self, buf: Any, op: ReduceOp | str, check: Check) -> Work:
@@ -235,7 +226,7 @@ class MPITransport:
             return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size), buf)
         stage = buf.astype(plan.stage)
         req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg),
+        return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
     def _meet(self, check: Check, seq: int, buf: Any = None, op: ReduceOp | None = None,
@@ -379,16 +370,11 @@ class MPITransport:
         return self._choose(int(nbytes), dtype)[1]
 
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
-        """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of
-        ``nbytes`` of ``dtype`` to take as its buffer (the ``lend`` capability), or None:
-        when this transport would not reduce it in shared memory, or when its size class
-        has no free area yet (:mod:`fuelspmd_mpi._shm`, placed inputs).
-
-        An input written there is reduced where it lies, and its result stays there until
-        the caller drops every view of it. Local: a class with no free area asks for one,
-        which the class's next all_reduce adds on every rank after its header sync, where
-        every rank is known to be in one call of one size (allocating is collective).
-        """
+        """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes``
+        of ``dtype`` is reduced as it lies (the ``lend`` capability), or None: another path
+        for that size or dtype, or no free area yet. Local: a class without a free area asks
+        for one, and its next all_reduce adds it on every rank after the header sync, where
+        all ranks are in one call of one size (:mod:`fuelspmd_mpi._shm`)."""
         key = (nbytes, dtype)
         ok = self._lend_for.get(key)
         if ok is None:
@@ -423,13 +409,17 @@ class MPITransport:
             self._hier = None
         self._route = _MPI_ONLY
 
-    def _unstage(self, stage: np.ndarray, out: Any, avg: bool) -> Any:
+    def _finish(self, result: np.ndarray, out: Any, avg: bool) -> Callable[[], None] | None:
+        """What completes a reduction into ``result``: avg's division, then the copy into
+        ``out`` when ``result`` is a float32 stage (one rounding to the 16-bit type)."""
         size = self.size
+        if result is out:
+            return (lambda: divide(out, size)) if avg else None
 
         def finish() -> None:
             if avg:
-                np.divide(stage, size, out=stage)
-            out.reshape(-1)[...] = stage.reshape(-1)
+                np.divide(result, size, out=result)
+            out.reshape(-1)[...] = result.reshape(-1)
 
         return finish
 
@@ -446,18 +436,12 @@ class MPITransport:
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return DONE
-        if plan.stage is None:
-            req = self._comm.Ireduce_scatter_block([send, plan.datatype], [recv, plan.datatype],
-                                                   plan.mpi_op)
-            size = self.size
-            finish = (lambda: divide(recv, size)) if plan.avg else None
-            return MPIWork(req, self, "reduce_scatter", seq, finish, (send, recv))
-        stage_send = send.astype(plan.stage)
-        stage = np.empty(recv.size, plan.stage)
-        req = self._comm.Ireduce_scatter_block([stage_send, plan.datatype],
-                                               [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "reduce_scatter", seq, self._unstage(stage, recv, plan.avg),
-                       (stage_send, stage, recv))
+        src, dst = ((send, recv) if plan.stage is None
+                    else (send.astype(plan.stage), np.empty(recv.size, plan.stage)))
+        req = self._comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
+                                               plan.mpi_op)
+        return MPIWork(req, self, "reduce_scatter", seq, self._finish(dst, recv, plan.avg),
+                       (src, dst, recv))
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
@@ -473,8 +457,7 @@ class MPITransport:
         seq = self._next()
         if buf.size == 0 or self.size == 1:
             return DONE
-        t = self._types
-        req = self._comm.Ibcast([t.view(buf), t.move[buf.dtype]], root=int(root))
+        req = self._comm.Ibcast(self._types.spec(buf), root=int(root))
         return MPIWork(req, self, f"broadcast(root={root})", seq, keep=buf)
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
@@ -493,10 +476,8 @@ class MPITransport:
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return DONE
-        t = self._types
-        dt = t.move[send.dtype]
-        return MPIWork(start([t.view(send), dt], [t.view(recv), dt]), self, op, seq,
-                       keep=(send, recv))
+        spec = self._types.spec
+        return MPIWork(start(spec(send), spec(recv)), self, op, seq, keep=(send, recv))
 
     def barrier(self) -> Work:
         """Complete once every rank of the group has entered the barrier."""
@@ -504,8 +485,6 @@ class MPITransport:
         if self.size == 1:
             return DONE
         return MPIWork(self._comm.Ibarrier(), self, "barrier", seq)
-
-    # -- point to point ------------------------------------------------------------------
 
     def send(self, buf: Any, peer: int, tag: int) -> Work:
         """Send ``buf`` to ``peer`` (a rank of this group) with ``tag``."""
@@ -525,20 +504,16 @@ class MPITransport:
             if (staged := self._staged(op, (buf,), (0,) if op == "recv" else (), peer,
                                        tag)) is not None:
                 return staged
-        t = self._types
         start = self._comm.Isend if op == "send" else self._comm.Irecv
-        req = start([t.view(buf), t.move[buf.dtype]], int(peer), int(tag))
+        req = start(self._types.spec(buf), int(peer), int(tag))
         return MPIWork(req, self, (op, int(peer), int(tag)), self._next(), keep=buf)
-
-    # -- groups and teardown -------------------------------------------------------------
 
     def split(self, color: int, key: int) -> MPITransport:
         """Return the transport of the ranks that pass the same ``color``, ordered by ``key``.
 
-        ``MPI_Comm_split`` blocks until every rank of the group calls it, so the colors are
-        first all-gathered under the deadline: a rank that never calls split gives
-        CommTimeoutError here instead of a hang inside MPI.
-        """
+        ``MPI_Comm_split`` waits for every rank with no deadline, so the colors are first
+        all-gathered under the transport's: a rank that never calls split gives
+        CommTimeoutError here, not a hang inside MPI."""
         for name, v, lo in (("color", color, 0), ("key", key, -(2**31))):
             if not isinstance(v, (int, np.integer)) or not lo <= v < 2**31:
                 raise ConfigError(f"split: {name} must be an integer in {lo}..2**31-1, "
@@ -555,14 +530,10 @@ class MPITransport:
         return child
 
     def finalize(self) -> None:
-        """Release this transport: shared windows and a split's communicator are freed.
-
-        Collective over the group when either is held.
-
-        The world's MPI stays initialised until the process exits (mpi4py calls
-        MPI_Finalize then), since MPI cannot be initialised twice: a later ``fs.init()``
-        builds a fresh transport over the same COMM_WORLD.
-        """
+        """Free the shared windows and a split's communicator (collective when either is
+        held). MPI itself stays initialised until the process exits (mpi4py finalizes it
+        then): it cannot be initialised twice, and a later ``fs.init()`` builds a fresh
+        transport over the same COMM_WORLD."""
         self._free_shm()
         MPI = self._MPI
         comm = self._comm

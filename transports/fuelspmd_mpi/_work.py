@@ -34,17 +34,12 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce"]
+__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce", "spin"]
 
-# A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
-# small collective completes within a few.
-_BURST = 64
-# After this long a wait yields the core between bursts, as MPI's own blocking waits do
-# after some polls: a spinning rank otherwise keeps the core its peer (or another job)
-# needs for a whole time slice. A wait that ends within its first burst never yields.
-_YIELD_AFTER_S = 1e-5
+_BURST = 64  # polls between two reads of the clock: a small collective ends within a few
+_YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
 UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
 class ReducePlan(NamedTuple):
@@ -85,9 +80,9 @@ class Types:
         # __hash__ is Python code), costs more than the rest of a small call's bookkeeping
         self.plans: dict[str, dict[np.dtype, ReducePlan]] = {op.value: {} for op in ReduceOp}
 
-    def view(self, buf: Any) -> Any:
-        """Return ``buf`` in a form MPI can read: bfloat16 as its uint16 bits."""
-        return buf.view(np.uint16) if buf.dtype == self.bf16 else buf
+    def spec(self, buf: Any) -> list[Any]:
+        """``buf`` as MPI moves it, unreduced: [buffer, MPI type], bfloat16 as uint16 bits."""
+        return [buf.view(np.uint16) if buf.dtype == self.bf16 else buf, self.move[buf.dtype]]
 
     def plan(self, dt: np.dtype, op: ReduceOp, where: str) -> ReducePlan:
         """Return the reduce plan of ``dt`` and ``op``; DTypeError for avg over bool."""
@@ -129,14 +124,38 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
         out[...] = wide
 
 
-class MPIWork:
-    """A started MPI operation: ``test`` polls it, ``wait`` polls it against a deadline.
+def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
+         watch: Callable[[], None] | None = None, spin_s: float = _YIELD_AFTER_S) -> float:
+    """Poll ``done()`` until it holds; return the seconds waited when past ``spin_s``, else 0.
 
-    ``wait`` never sleeps (unlike :func:`fuelspmd.transport.poll_until`): MPI progresses a
-    non-blocking collective only inside MPI calls, so a rank asleep between two
-    ``MPI_Test`` stalls its peers too. It polls as MPI's own blocking calls do, reads the
-    clock once per burst for the deadline, and after ``_YIELD_AFTER_S`` yields the core
-    between bursts, so a rank sharing a core with its peer lets it run.
+    The one wait of this package (MPI requests, the shm syncs). It never sleeps, unlike
+    :func:`fuelspmd.transport.poll_until`: MPI progresses a non-blocking collective only
+    inside MPI calls, so a rank asleep between two polls stalls its peers too. It reads the
+    clock once per ``_BURST`` polls; past ``spin_s`` it yields the core between bursts (a
+    spinning rank keeps the core its peer, or another job, needs for a time slice); it
+    calls ``watch()`` every ``WATCH_S``, and raises CommTimeoutError(``late(limit)``)
+    ``limit`` seconds after it began.
+    """
+    clock = time.monotonic
+    start = clock()
+    deadline, watched = start + limit, start + WATCH_S
+    while True:
+        for _ in range(_BURST):
+            if done():
+                now = clock()
+                return now - start if now - start > spin_s else 0.0
+        now = clock()
+        if now > deadline:
+            raise CommTimeoutError(late(limit))
+        if watch is not None and now > watched:
+            watch()
+            watched = clock() + WATCH_S
+        if now - start > spin_s:
+            os.sched_yield()
+
+
+class MPIWork:
+    """A started MPI operation: ``test`` polls it, ``wait`` spins on it (:func:`spin`).
 
     ``finish`` runs once, on the rank's own thread, when the request completes (a float32
     stage copied back, the division of avg). ``keep`` holds the buffers MPI reads and
@@ -196,35 +215,16 @@ class MPIWork:
              watch: Callable[[], None] | None = None) -> None:
         """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's).
 
-        ``watch``, when given, is called every ``WATCH_S`` of the wait: a wait inside a
-        transport call (the hierarchical all-reduce's steps) lets the collective guard
-        read its streams there, as its own waits do between slices."""
+        ``watch`` is called every ``WATCH_S`` of the wait: inside a transport call (the
+        hierarchical all-reduce's steps) the collective guard reads its streams there."""
         req = self._req
         if req is None:
             return
-        test = req.Test
         try:
-            if test():  # a small operation usually ends here
-                self._complete()
-                return
-            limit = self._owner.timeout if timeout is None else timeout
-            clock = time.monotonic
-            start = clock()
-            deadline = start + limit
-            watched = start + WATCH_S
-            while True:
-                for _ in range(_BURST):
-                    if test():
-                        self._complete()
-                        return
-                now = clock()
-                if now > deadline:
-                    raise CommTimeoutError(self._late(limit))
-                if watch is not None and now > watched:
-                    watch()
-                    watched = clock() + WATCH_S
-                if now - start > _YIELD_AFTER_S:
-                    os.sched_yield()
+            if not req.Test():  # a small operation usually ends here
+                spin(req.Test, self._owner.timeout if timeout is None else timeout,
+                     self._late, watch)
+            self._complete()
         except self._owner.mpi_error as e:
             raise self._error(e) from e
 

@@ -1,42 +1,30 @@
 """The shared-memory all-reduce: the ranks of one node reduce through MPI-3 shared windows.
 
-MPICH's Allreduce within a node moves every byte through its shared queues: a ring copies
-it into and out of them about ``4 (n-1)/n`` times and matches messages. Here every rank
-maps every rank's segment of an ``MPI_Win_allocate_shared`` window and works on it with
-plain loads and stores (numpy, ``out=``). Rank ``r`` owns the slice ``[lo_r, hi_r)`` of
-the ``count`` elements (``count // n``, the first ``count % n`` ranks one more). An input
-in the caller's own buffer takes the copy-in path:
+MPICH's Allreduce within a node copies every byte into and out of its shared queues about
+``4 (n-1)/n`` times and matches messages. Here every rank maps every rank's segment of an
+``MPI_Win_allocate_shared`` window and works on it with loads and stores (numpy, ``out=``).
+Rank ``r`` owns the slice ``[lo_r, hi_r)`` (``count // n`` elements, the first
+``count % n`` ranks one more). An input in the caller's own buffer is *copied in*:
 
-1. copy in: ``r`` copies its buffer, all but its own slice, into its segment's data area;
-2. sync; fold: ``r`` folds ``x_0 op x_1 op ... op x_{n-1}`` over its slice, left in rank
-   order, in chunks that stay in cache, into its buffer and a result area of its segment;
-3. sync; copy out: ``r`` copies slice ``k`` from rank ``k``'s result area, ``k != r``.
+1. ``r`` copies its buffer, all but its own slice, into its segment's data area;
+2. sync; ``r`` folds ``x_0 op x_1 op ... op x_{n-1}`` over its slice, left in rank order,
+   in chunks that stay in cache, into its buffer and a result area of its segment;
+3. sync; ``r`` copies slice ``k`` out of rank ``k``'s result area, for every ``k != r``:
 
-That is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold, ``(n-1)/n N``
-copied out per rank: about ``2 + 2/n`` passes over memory, no matching. Two syncs, not
-three: calls alternate between two result areas, so a rank may start its next call while
-a slower peer still copies out; an area is written again two calls later, after a sync
-that peer must have passed.
+about ``2 + 2/n`` passes over memory per rank, no message matching. Two syncs, not three:
+calls alternate between two result areas, so a rank may start its next call while a slow
+peer still copies out; an area is written again two calls later, after a sync that peer
+must have passed. A *placed* input (the transport's ``lend``: an area of a lent window of
+its size class) is not copied: when every rank's input starts a lent area, each rank
+folds its slice into that slice of every rank's area (no other rank touches it) and one
+sync later every area holds the result: ``N`` read and ``N`` written per rank. A lent area
+is never the copy-in area, so a caller may hold a result there while other all_reduces of
+its size run. From ``PIPE_MIN`` bytes, when every rank has a core of its own, the three
+steps run per ``_CHUNK`` through two small slots per rank that stay in cache, the syncs
+being flag handshakes (with more ranks than cores each would wait for a time slice).
 
-Placed inputs (the transport's ``lend``): per size class, *lent* windows whose areas
-:meth:`ShmAllReduce.lend` hands out. When every rank's input starts a lent area (not
-necessarily the same one) nothing is copied: each rank folds its slice into that slice of
-every rank's area (no other rank touches it), and after one sync every area holds the
-whole result: ``N`` read and ``N`` written per rank. A lent area is never the copy-in
-area, so a caller may hold a result in one while other all_reduces of its size run. A
-rank that asks for a free area and finds none (the class's first, or all held: the buckets
-of one step) says so in its next header, and at the end of that call every rank adds a
-lent window, up to ``LENT_MAX`` and within the cap.
-
-Pipelined, from ``PIPE_MIN`` bytes when every rank has a core of its own: the three steps
-per chunk of ``_CHUNK`` bytes through two small slots per rank, the syncs being flag
-handshakes, so the slots stay in cache where a whole-size window does not. With more ranks
-than cores each handshake would wait for a time slice; such groups keep the whole-size
-path, as do the ``_SLOW_CALLS`` calls after one whose handshakes waited (a peer lost its
-core).
-
-Each call first writes a header into its rank's line of the flag window (``_FLAG_WORDS``
-int64 words), then the ranks meet at the first sync:
+Each call writes a header into its rank's line of the flag window (``_FLAG_WORDS`` int64),
+then the ranks meet at the first sync:
 
 ====  ===================================================================================
 word  meaning
@@ -47,8 +35,8 @@ word  meaning
       all-reduces of this group so far): must be equal on every rank
 7-9   the caller's check words (``Check``: the ``checked`` capability)
 10    the lent area of the class that holds the input: its index plus one; 0 for none
-11    1: this rank asks for one more lent area of the class
-12    1: this rank lost its core lately (keep off the pipelined path)
+11    1: this rank found no free lent area of the class and asks for one more
+12    1: this rank lost its core lately (``_SLOW_CALLS``): keep off the pipelined path
 ====  ===================================================================================
 
 Every rank decides alike. After the first sync all ranks read the same lines. Where words
@@ -56,28 +44,26 @@ Every rank decides alike. After the first sync all ranks read the same lines. Wh
 reads past a peer's segment); otherwise each choice is a pure function of those lines: the
 path (placed when every word 10 is set; pipelined when the size allows and no word 12 is
 set; else copy-in), whether the copy-in window is made first, whether a lent window is
-added (any word 11). Making and freeing a window is collective and happens only there,
-where every rank is in the same call of the same size. Which windows exist, and so whether
-one more fits under the cap, follows from the sequence of collective sizes, the same on
-every rank; the cap and whether to pipeline are agreed once, at creation.
+added (any word 11; up to ``LENT_MAX``). Making and freeing a window is collective and
+happens only there, where every rank is in the same call of the same size. Which windows
+exist, and so whether one more fits under the cap, follows from the sequence of collective
+sizes, the same on every rank; the cap and whether to pipeline are agreed at creation.
 
 Results: the left fold in rank order is bitwise the same on every rank, equal to
 ``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; against MPI floats agree to
 rounding, integers bitwise. avg is sum, then division by ``n`` (floor for integers).
 
-Memory: shared windows have MPI-3's unified model (checked), each held under a
-``Lock_all`` epoch for its life. A sync is ``Win.Sync`` (a full memory barrier in MPICH
-and Open MPI) around a flag handshake polled against the transport's deadline (a missing
-rank gives CommTimeoutError naming it), not ``MPI_Ibarrier``: a rank waiting inside MPI
-yields its core, and on a busy machine may lose it for a time slice. Windows go by size
-class (powers of two, at least ``MIN_CLASS``), are kept until :meth:`ShmAllReduce.free`
-and capped per rank: a size whose window does not fit runs MPI's own. They are pages of
-``/dev/shm``, and a window whose pages do not fit kills its process with SIGBUS at the
-first store, so the cap is at most a quarter of the free space over the ranks (a copy-in
-window takes up to twice its class; other jobs share the space).
-
-Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when the
-group spans nodes (the hierarchical path, :mod:`fuelspmd_mpi._hier`, serves those).
+Memory: shared windows have MPI-3's unified model (checked), each under a ``Lock_all``
+epoch for its life. A sync is ``Win.Sync`` (a full memory barrier in MPICH and Open MPI)
+around a flag handshake polled against the transport's deadline (CommTimeoutError names a
+missing rank), not ``MPI_Ibarrier``: a rank waiting inside MPI yields its core and may lose
+it for a time slice. Windows go by size class (powers of two, at least ``MIN_CLASS``),
+are kept until :meth:`ShmAllReduce.free` and capped per rank (a size over the cap runs
+MPI's own). They are pages of ``/dev/shm``, where a window whose pages do not fit kills its
+process with SIGBUS at the first store, so the cap is at most a quarter of the free space
+over the ranks (a copy-in window takes up to twice its class; other jobs share the space).
+:meth:`ShmAllReduce.create` returns None for a group that spans nodes (:mod:`fuelspmd_mpi._hier`
+serves those).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """GPU buffers on the MPI transport: passed straight to a CUDA-aware MPI, else staged.
 
-A buffer is a device buffer when it exposes ``__cuda_array_interface__`` (cupy, numba,
-torch's CUDA tensors); anything else goes through the transport's host path and checks.
-Whether the MPI library reads device memory itself is asked of the library, in order:
-
-1. MPI 4.1's memory allocation kinds: COMM_WORLD's ``mpi_memory_alloc_kinds`` lists
-   ``cuda`` (MPICH >= 4.2 and Open MPI >= 5 built with CUDA; the PyPI ``mpich`` wheel
-   reports "mpi,system");
-2. Open MPI: ``ompi_info --parsable --all`` says ``mpi_built_with_cuda_support:value:true``;
-3. MPICH: its configure line has ``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0.
-
-CUDA-aware: the device buffer goes to MPI as it is, after the current stream is
-synchronised so MPI reads finished data; 16-bit float reductions are staged even then (the
-transport reduces them in a float32 host copy). Otherwise each device buffer is copied into
-pinned host memory (page-locked: the copy runs at full link speed), the operation runs on
-the host copies, and its Work copies the results back when it completes
-(:class:`StagedWork`).
+A device buffer exposes ``__cuda_array_interface__`` (cupy, numba, torch's CUDA tensors);
+anything else takes the host path and its checks. Whether the MPI library reads device
+memory is asked of it, in order: MPI 4.1's ``mpi_memory_alloc_kinds`` lists ``cuda``; Open
+MPI's ``ompi_info`` says ``mpi_built_with_cuda_support:value:true``; MPICH was configured
+``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0. CUDA-aware: the buffer goes to MPI as
+it is once the current stream is synchronised (16-bit float reductions are staged even
+then: they are reduced in a float32 host copy). Otherwise the operation runs on pinned
+host copies (page-locked: copied at full link speed), and its Work copies the results back
+when it completes (:class:`StagedWork`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """MPITransport: the Transport seam over one MPI communicator, through mpi4py's buffer API.
 
-Every operation is the non-blocking MPI call (Iallreduce, Iallgather,
-Ireduce_scatter_block, Ibcast, Ialltoall, Isend, Irecv, Ibarrier) wrapped in an
-:class:`~fuelspmd_mpi._work.MPIWork`, whose ``wait`` polls ``MPI_Test`` against a deadline:
-a rank that never joins gives CommTimeoutError, never a hang. Only the uppercase buffer
-methods are used (mpi4py's pickle API serialises arrays); all_reduce works in place
-(``MPI_IN_PLACE``). Buffers follow the layout in :mod:`fuelspmd.transport`; dtypes and
-reduce ops map onto MPI as :mod:`fuelspmd_mpi._work` describes.
-
-Each transport numbers the operations it starts (``seq``, from 0, collectives and
-point-to-point alike) so that a timeout names which one hung. An all_reduce that the route
-(:meth:`MPITransport.set_all_reduce_policy`, chosen by the layer above) sends through
-shared memory (:mod:`fuelspmd_mpi._shm`) or the node and rail splits
-(:mod:`fuelspmd_mpi._hier`) runs to completion inside the call, each of its waits under
-the same deadline, and returns a completed Work.
-
-GPU buffers (``__cuda_array_interface__``) reach MPI directly when the library is
-CUDA-aware and are staged through pinned host memory when it is not
-(:mod:`fuelspmd_mpi._staging`); only the slow path, never the numpy hot path, looks.
-Collectives on empty buffers complete at once without calling MPI (every rank has the
-same, empty, sizes); sends and receives of 0 elements still go to MPI to match their peer.
+Every operation is the non-blocking MPI call (Iallreduce, Iallgather, Ireduce_scatter_block,
+Ibcast, Ialltoall, Isend, Irecv, Ibarrier) in an :class:`~fuelspmd_mpi._work.MPIWork`, whose
+``wait`` polls against a deadline: a rank that never joins gives CommTimeoutError, never a
+hang. Only the uppercase buffer methods are used (the lowercase ones pickle arrays). Each
+transport numbers the operations it starts (``seq``) so that a timeout names the one that
+hung. An all_reduce that the route (:meth:`MPITransport.set_all_reduce_policy`, chosen by
+the layer above) sends through shared memory (:mod:`fuelspmd_mpi._shm`) or the node and
+rail splits (:mod:`fuelspmd_mpi._hier`) completes inside the call, each wait under the
+same deadline. GPU buffers go to a CUDA-aware MPI as they are, else through pinned host
+copies (:mod:`fuelspmd_mpi._staging`); only the slow path looks. Collectives on empty
+buffers complete without MPI (every rank has the same sizes); sends and receives of 0
+elements still go to MPI to match their peer.
 """
 
 from __future__ import annotations
@@ -271,23 +263,15 @@ class MPITransport:
                               nodes: Any = None) -> str:
         """Choose how all_reduce runs; return the choice ("mpi", "shm", "hierarchical", "auto").
 
-        Collective: every rank calls it with the same arguments (checked: ranks that differ
-        raise CollectiveMismatchError). The decision belongs to the layer above:
-
-        - ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`)
-          gives the algorithm per size band, with the reason (:meth:`explain_all_reduce`);
-          a ``split`` plans its own group with the same planner.
-        - ``"shm"``: float32/float64/int32/int64 all-reduces of ``min_bytes..max_bytes``
-          go through the shared-memory path (:mod:`fuelspmd_mpi._shm`), holding at most
-          ``cap_bytes`` of shared window per rank.
-        - ``"hierarchical"``: those sizes go through node and rail splits
-          (:mod:`fuelspmd_mpi._hier`); ``nodes`` (the node index of each group rank) splits
-          as a declared topology says, else MPI's shared-memory split finds the nodes.
-        - ``"mpi"``: MPI's own all-reduce; frees the windows and splits.
-
-        An algorithm that cannot apply here runs as MPI's own and says why (shm: ranks on
-        several nodes; hierarchical: one node, or nodes with unequal shares); a manual
-        choice then returns "mpi". A split starts with MPI's own unless the policy is auto.
+        Collective, with the same arguments on every rank (checked: CollectiveMismatchError).
+        ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`)
+        gives the algorithm per size band with the reason, and a ``split`` plans its group
+        with it too; ``"shm"`` or ``"hierarchical"``: that path for ``min_bytes..max_bytes``
+        (shm: float32/float64/int32/int64, at most ``cap_bytes`` of window per rank;
+        hierarchical: split by ``nodes``, each rank's node index, else by shared memory);
+        ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot apply runs
+        MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then returns
+        "mpi". A split starts with MPI's own unless the policy is auto.
         """
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "

@@ -1,23 +1,16 @@
 """How fuelspmd dtypes and reduce ops map onto MPI, and the Work over an MPI request.
 
-Moving bytes (all_gather, broadcast, all_to_all, send, recv) never looks at the values:
-float16 and bfloat16 travel as ``MPI_UINT16_T`` bit patterns (numpy cannot export a
-bfloat16 buffer, so it is viewed as uint16 first), the other types as their own MPI type.
+Moving bytes never looks at the values: float16 and bfloat16 travel as ``MPI_UINT16_T``
+bit patterns (numpy cannot export bfloat16, so it is viewed as uint16), the others as
+their own MPI type. Reducing:
 
-Reductions need arithmetic MPI may not have:
-
-- float32, float64, int32, int64: MPI's own SUM, PROD, MIN, MAX on FLOAT, DOUBLE,
-  INT32_T, INT64_T, into the caller's buffer (``MPI_IN_PLACE`` for all_reduce).
-- float16, bfloat16: MPI has no portable 16-bit float type, so the buffer is upcast to a
-  float32 copy, reduced by MPI in float32, and rounded back once to the 16-bit type
-  (round to nearest even). Partial results keep float32's 24-bit significand, so there is
-  one 16-bit rounding instead of one per step; MPI hands every rank the same float32
-  result (MPICH does; the standard recommends it), so every rank rounds to the same value.
+- float32, float64, int32, int64: MPI's own SUM, PROD, MIN, MAX, in the caller's buffer.
+- float16, bfloat16: MPI has no portable 16-bit float, so a float32 copy is reduced and
+  rounded back once (to nearest even): one 16-bit rounding instead of one per step, the
+  same on every rank since MPI hands every rank the same float32 result.
 - bool: MPI's logical ops on ``MPI_C_BOOL``: sum and max are OR, prod and min are AND.
-- avg is SUM followed by a division by the group size on every rank: in the float type
-  (float32 for the 16-bit types, before rounding); for int32/int64 it is floor division
-  (numpy's ``//``, rounding toward minus infinity); for bool it is refused (DTypeError),
-  as the mean of booleans is not a boolean.
+- avg: SUM, then division by the group size on every rank (in float32 for the 16-bit
+  types, before rounding; floor division for integers); refused for bool (DTypeError).
 """
 
 from __future__ import annotations

@@ -5,14 +5,13 @@
 Three candidates, interleaved round by round (A, B, C, A, B, C, ...) on the same machine
 state: ``mpi`` is raw ``comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)``; ``shm`` is the
 transport's all_reduce through the shared window, copying the input in (any buffer);
-``shm_zc`` is the same with the input already in the window (``shared_buffer``), which
-the lazy graph's memory planner can arrange. Before every round each buffer is refilled
-with the rank's input (untimed), the ranks meet at a barrier, and one call is timed; a
-round's time is the slowest rank's. Reported: each candidate's median, the speedup
-``mpi / shm`` as the median over rounds of the paired ratios (robust to a slow phase), and
-the all-reduce the calibrated cost model picks for the size (``model picks``; the
-calibration in its default place): mpi where it predicts no
-win for shm.
+``shm_zc`` is the same with the input already in a lent area of the window (the
+transport's ``lend``), as the lazy graph places all_reduce inputs. Before every round each
+buffer is refilled with the rank's input (untimed), the ranks meet at a barrier, and one
+call is timed; a round's time is the slowest rank's. Reported: each candidate's median,
+the speedup ``mpi / shm`` as the median over rounds of the paired ratios (robust to a slow
+phase), and the all-reduce the calibrated cost model picks for the size (``model picks``;
+the calibration in its default place): mpi where it predicts no win for shm.
 
 Correctness, checked once per size before timing: every rank's input is the float32
 ``((i + 7 r) mod 97) * 0.37 - 11``; the shm results must equal, bitwise, numpy's fold in
@@ -54,14 +53,27 @@ def reference(size: int, count: int) -> np.ndarray:
     return acc
 
 
-def _check(t: Any, comm: Any, MPI: Any, count: int, zc: np.ndarray) -> dict[str, Any]:
-    """Run each candidate once on the real inputs; compare with the numpy fold."""
+def _lent(t: Any, count: int) -> np.ndarray:
+    """``count`` float32 in a lent area: the size's first all_reduce (the one ``_check``
+    runs on a buffer of its own) makes it on every rank, after the first ``lend`` asked."""
+    area = t.lend(count * 4, np.dtype(np.float32))
+    if area is None:
+        raise ConfigError(f"no lent area of {count * 4} bytes: the shared windows are above "
+                          f"the cap ({t.explain_all_reduce(count * 4)}); pass a larger --cap")
+    return area[:count * 4].view(np.float32)
+
+
+def _check(t: Any, comm: Any, MPI: Any, count: int) -> tuple[dict[str, Any], np.ndarray]:
+    """Run each candidate once on the real inputs; compare with the numpy fold. Returns
+    the row's fields and the lent buffer of ``shm_zc``."""
     want = reference(t.size, count)
     mine = inputs(t.rank, count)
     got_mpi = mine.copy()
     comm.Allreduce(MPI.IN_PLACE, got_mpi, MPI.SUM)
     got_shm = mine.copy()
+    t.lend(count * 4, np.dtype(np.float32))  # asks for the area the next call makes
     t.all_reduce(got_shm, "sum").wait()
+    zc = _lent(t, count)
     zc[...] = mine
     t.all_reduce(zc, "sum").wait()
     ok = bool(np.array_equal(got_shm, want) and np.array_equal(zc, want)
@@ -69,7 +81,7 @@ def _check(t: Any, comm: Any, MPI: Any, count: int, zc: np.ndarray) -> dict[str,
     flags = np.array([ok], np.int8)
     comm.Allreduce(MPI.IN_PLACE, flags, MPI.MIN)
     return {"correct": bool(flags[0]),
-            "max_diff_vs_mpi": float(np.max(np.abs(got_shm - got_mpi))) if count else 0.0}
+            "max_diff_vs_mpi": float(np.max(np.abs(got_shm - got_mpi))) if count else 0.0}, zc
 
 
 def run(t: Any, *, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
@@ -81,10 +93,10 @@ def run(t: Any, *, sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     for nbytes in sizes:
         count = nbytes // 4
         mine = inputs(t.rank, count)
+        fields, zc = _check(t, comm, MPI, count)
         bufs = {"mpi": np.empty(count, np.float32), "shm": np.empty(count, np.float32),
-                "shm_zc": t.shared_buffer(count * 4).view(np.float32)}
-        row: dict[str, Any] = {"bytes": count * 4, **_check(t, comm, MPI, count,
-                                                            bufs["shm_zc"])}
+                "shm_zc": zc}
+        row: dict[str, Any] = {"bytes": count * 4, **fields}
         calls: dict[str, Callable[[], object]] = {
             "mpi": lambda b=bufs["mpi"]: comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM),
             "shm": lambda b=bufs["shm"]: t.all_reduce(b, "sum").wait(),

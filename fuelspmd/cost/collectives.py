@@ -398,8 +398,9 @@ class CostModel:
         return Estimate(algorithm, lat, xfer, red, bound or "latency")
 
     def _shm(self, nbytes: float, g: list[int], concurrent: int) -> Estimate:
-        """The shared-memory all-reduce of ``fuelspmd_mpi``, with the input placed in the
-        shared window, as the lazy graph places it (the transport's ``lend`` capability).
+        """The shared-memory all-reduce of ``fuelspmd_mpi``, with the input placed in a
+        lent area of the shared window, as the lazy graph places it (the ``lend``
+        capability).
 
         Two phase syncs (``ceil(log2 n)`` latencies each) and a fixed per-call overhead;
         each rank writes its reduced ``N/n`` once and copies ``(n-1)/n N`` out, ``N`` of

@@ -11,6 +11,7 @@ and the same checks hold through the size-1 path.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -68,6 +69,20 @@ def fold(name: str, size: int, count: int, dt: str, op: str) -> np.ndarray:
         else:
             np.divide(acc, size, out=acc)
     return acc
+
+
+def lent(t: Any, count: int, dt: str) -> np.ndarray:
+    """``count`` elements of ``dt`` at the start of a lent area, on every rank that reduces
+    that size in shared memory (a plain array elsewhere): the first ``lend`` of a size
+    asks, and the size's next all_reduce (collective) makes the area on every rank."""
+    d = np.dtype(dt)
+    nbytes = count * d.itemsize
+    area = t.lend(nbytes, d)
+    if area is None and t.all_reduce_algorithm(nbytes, d) == "shm":
+        t.all_reduce(np.zeros(count, d), "sum").wait()
+        area = t.lend(nbytes, d)
+        assert area is not None
+    return np.empty(count, d) if area is None else area[:nbytes].view(d)
 
 
 def mpi_result(t: Any, x: np.ndarray, op: str) -> np.ndarray:
@@ -129,14 +144,13 @@ def test_repeated_calls_reuse_the_window(world: Any) -> None:
 
 def test_buffer_already_in_the_window(world: Any) -> None:
     count = 5003
-    raw = world.shared_buffer(count * 8)
-    assert raw.dtype == np.uint8 and raw.nbytes == count * 8
-    b = raw.view(np.float64)
+    b = lent(world, count, "float64")
+    assert world.size == 1 or world.lent(b)
     b[...] = data("zc", world.rank, count, "float64")
     world.all_reduce(b, "sum").wait()
     np.testing.assert_array_equal(b, fold("zc", world.size, count, "float64", "sum"))
     # inside the window but not at its start: copied in and out, still right
-    inner = raw.view(np.float64)[1:]
+    inner = b[1:]
     inner[...] = data("zc-inner", world.rank, count - 1, "float64")
     world.all_reduce(inner, "min").wait()
     np.testing.assert_array_equal(inner, fold("zc-inner", world.size, count - 1, "float64",
@@ -172,8 +186,7 @@ def test_policy_range_and_switching_off(world: Any) -> None:
         np.testing.assert_array_equal(huge, fold("huge", t.size, 1 << 20, "int32", "prod"))
         assert t.set_all_reduce_policy(algorithm="mpi") == "mpi"
         assert t.shared_window_bytes == 0
-        plain = t.shared_buffer(100)
-        assert plain.nbytes == 100  # without shm, an ordinary array
+        assert t.lend(800, np.dtype(np.int64)) is None  # without shm, nothing to lend
         big = data("big2", t.rank, 1 << 18, "int64")
         t.all_reduce(big, "sum").wait()
         np.testing.assert_array_equal(big, fold("big2", t.size, 1 << 18, "int64", "sum"))
@@ -195,8 +208,8 @@ def test_cap_bounds_the_windows(world: Any) -> None:
         t.all_reduce(x, "sum").wait()
         np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
         assert t.shared_window_bytes == 0
-        with pytest.raises(ConfigError, match="above its cap of"):
-            t.shared_buffer(1 << 20)
+        assert t.lend(1 << 20, np.dtype(np.float32)) is None
+        assert "above the cap of" in t.explain_all_reduce(1 << 20)
     finally:
         t.finalize()
 
@@ -204,8 +217,8 @@ def test_cap_bounds_the_windows(world: Any) -> None:
 def test_a_small_dev_shm_caps_the_windows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A window whose pages do not fit in /dev/shm would kill its rank with SIGBUS at the
     first store (a container's /dev/shm is 64 MiB by default): the cap per rank is at most
-    a quarter of the free space over the ranks, what does not fit runs MPI's own, and
-    asking for a lent area beyond it says how to give /dev/shm more."""
+    a quarter of the free space over the ranks, what does not fit runs MPI's own (and is
+    lent nothing), and explain_all_reduce says how to give /dev/shm more."""
     import fuelspmd_mpi._shm as shm_module
     from fuelspmd_mpi import plugin
 
@@ -217,14 +230,13 @@ def test_a_small_dev_shm_caps_the_windows(monkeypatch: pytest.MonkeyPatch) -> No
         assert t._shm.cap_bytes == (2 << 20) // (4 * t.size)
         assert t.all_reduce_algorithm(4 << 10, np.float32) == "shm"
         assert t.all_reduce_algorithm(1 << 20, np.float32) == "mpi"
-        assert "/dev/shm has 2 MiB free" in t.explain_all_reduce(1 << 20)
+        assert re.search(r"/dev/shm has 2 MiB free.*--shm-size",
+                         t.explain_all_reduce(1 << 20))
         x = data("small-shm", t.rank, 1 << 18, "float32")  # 1 MiB: MPI's own
         t.all_reduce(x, "sum").wait()
         np.testing.assert_allclose(x, fold("small-shm", t.size, 1 << 18, "float32", "sum"),
                                    rtol=1e-5, atol=1e-5)
         assert t.lend(1 << 20, np.dtype(np.float32)) is None
-        with pytest.raises(ConfigError, match=r"/dev/shm has 2 MiB free.*--shm-size"):
-            t.shared_buffer(1 << 20)
     finally:
         t.finalize()
 
@@ -327,7 +339,7 @@ def test_inputs_in_the_lent_area_reduce_in_place(world: Any) -> None:
     (mixed: that rank copies in like the others), then none: the same fold each time,
     at a whole-size and at a pipelined size."""
     for count in (70_001, (4 << 20) // 4 + 3):
-        area = world.shared_buffer(count * 4).view(np.float32)
+        area = lent(world, count, "float32")
         for placed in ("all", "rank 0", "none"):
             name = f"lent-{count}-{placed}"
             here = placed == "all" or (placed == "rank 0" and world.rank == 0)
@@ -346,7 +358,7 @@ def test_placed_inputs_take_two_phase_syncs_at_every_size(world: Any) -> None:
     if shm is None or world.size == 1:
         pytest.skip("needs the shared-memory path: 2+ ranks on one node")
     for count in (70_001, (4 << 20) // 4 + 3):
-        area = world.shared_buffer(count * 4).view(np.float32)
+        area = lent(world, count, "float32")
         area[...] = data(f"syncs-{count}", world.rank, count, "float32")
         before = shm._syncs
         world.all_reduce(area, "sum").wait()
@@ -380,30 +392,35 @@ def test_a_rank_that_never_comes_is_a_timeout_not_a_hang(world: Any) -> None:
         t.finalize()
 
 
-def test_shared_buffer_of_a_new_size_agrees_under_the_deadline(world: Any) -> None:
-    """shared_buffer's first call of a size allocates a window (collective, with no
-    deadline inside MPI), so the ranks first agree on the size under the transport's: a
-    rank that never comes gives the others CommTimeoutError, ranks that pass different
-    sizes all raise CollectiveMismatchError."""
+def test_a_new_lent_size_is_made_only_where_the_ranks_meet(world: Any) -> None:
+    """lend is local: a size's first area is made by that size's next all_reduce, after
+    its header sync, where every rank is known to be in the same call of the same size. A
+    rank whose peers never come gets CommTimeoutError there; ranks that lent different
+    sizes raise CollectiveMismatchError on every rank, and no window is made."""
     import time
 
     from fuelspmd.errors import CommTimeoutError
 
     if world.size == 1:
         pytest.skip("needs a peer")
+    f32 = np.dtype(np.float32)
     for case in ("absent", "other size"):
         t = world.split(0, world.rank)
         try:
             assert t.set_all_reduce_policy(algorithm="shm") == "shm"
-            t.timeout = 0.5
+            t._shm.timeout = 0.5
+            count = (3 << 18) if case == "absent" or world.rank == 0 else (1 << 18)
+            assert t.lend(count * 4, f32) is None  # asks, allocates nothing
+            assert t.shared_window_bytes == 0
             start = time.monotonic()
             if case == "absent" and world.rank == 0:
-                with pytest.raises(CommTimeoutError, match="shared_buffer"):
-                    t.shared_buffer(3 << 20)
+                with pytest.raises(CommTimeoutError, match="shared memory"):
+                    t.all_reduce(np.ones(count, np.float32), "sum")
                 assert time.monotonic() - start < 5.0
             elif case == "other size":
-                with pytest.raises(CollectiveMismatchError, match=r"disagree .size_class"):
-                    t.shared_buffer((3 << 20) if world.rank == 0 else (1 << 20))
+                with pytest.raises(CollectiveMismatchError, match="disagree on count"):
+                    t.all_reduce(np.ones(count, np.float32), "sum")
+            assert t.shared_window_bytes == 0
             world.barrier().wait()
         finally:
             t.finalize()
@@ -488,7 +505,7 @@ def test_a_held_lent_area_outlives_a_policy_change() -> None:
     t = plugin.world(timeout=TIMEOUT)
     try:
         t.set_all_reduce_policy(algorithm="shm")
-        x = t.shared_buffer(4096 * 8).view(np.float64)
+        x = lent(t, 4096, "float64")
         x[...] = data("outlive", t.rank, 4096, "float64")
         t.all_reduce(x, "sum").wait()
         t.set_all_reduce_policy(algorithm="mpi")  # frees the windows, but not this one
@@ -497,9 +514,10 @@ def test_a_held_lent_area_outlives_a_policy_change() -> None:
         t.finalize()
 
 
-def test_placed_inputs_need_no_copy_in_window() -> None:
-    """A size class whose inputs are always placed holds only its lent window; the first
-    call with an input of its own adds the copy-in window (made by every rank at once)."""
+def test_placed_inputs_allocate_nothing_more() -> None:
+    """The size's first all_reduce (a buffer of its own) makes the copy-in window and the
+    lent area it was asked for; placed calls after it add no window, and a call with one
+    rank's input placed and the others' not reduces through the copy-in window."""
     from fuelspmd_mpi import plugin
 
     t = plugin.world(timeout=TIMEOUT)
@@ -507,19 +525,19 @@ def test_placed_inputs_need_no_copy_in_window() -> None:
         if t.set_all_reduce_policy(algorithm="shm") != "shm":
             return  # one rank
         count = 200_000  # float32, 800 KB: class 1 MiB, below the pipelined sizes
-        area = t.shared_buffer(count * 4).view(np.float32)
+        area = lent(t, count, "float32")
+        assert t.shared_window_bytes == 2 << 20  # the copy-in window and the lent one
         for i in range(3):
             area[...] = data(f"only-placed{i}", t.rank, count, "float32")
             t.all_reduce(area, "sum").wait()
             np.testing.assert_array_equal(area, fold(f"only-placed{i}", t.size, count,
                                                      "float32", "sum"))
-        assert t.shared_window_bytes == 1 << 20  # the lent window alone
         mixed = area if t.rank == 0 else np.empty(count, np.float32)
         mixed[...] = data("first-copied", t.rank, count, "float32")
         t.all_reduce(mixed, "max").wait()
         np.testing.assert_array_equal(mixed, fold("first-copied", t.size, count, "float32",
                                                   "max"))
-        assert t.shared_window_bytes == 2 << 20  # and now the copy-in window
+        assert t.shared_window_bytes == 2 << 20
         del area, mixed
     finally:
         t.finalize()

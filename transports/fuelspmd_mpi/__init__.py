@@ -3,9 +3,8 @@
 Registered as the entry point ``mpi = "fuelspmd_mpi:plugin"`` in the group
 ``fuelspmd.transports``; fuelspmd finds it there and never imports this package by name.
 Importing it imports neither mpi4py nor MPI: :data:`plugin`'s calls do, and initialise MPI
-themselves (see :mod:`fuelspmd_mpi._env`). How dtypes and reduce ops map onto MPI (the
-16-bit floats are reduced in float32; bool sum/prod are or/and; integer avg floors) is
-documented in :mod:`fuelspmd_mpi._work`.
+themselves (:mod:`fuelspmd_mpi._env`). How dtypes and reduce ops map onto MPI is in
+:mod:`fuelspmd_mpi._work`, the all-reduce paths in :mod:`fuelspmd_mpi._transport`.
 """
 
 from __future__ import annotations
@@ -37,19 +36,15 @@ class MPIPlugin:
             MPI = load_mpi()
         except TransportUnavailableError as e:
             return str(e)
-        if MPI.Is_finalized():
-            return "MPI was already finalized in this process"
-        return None
+        return "MPI was already finalized in this process" if MPI.Is_finalized() else None
 
     def world(self, *, timeout: float, device: Any = None) -> MPITransport:
         """Initialise MPI if needed and return the transport over COMM_WORLD.
 
-        ``device`` (what ``fs.init(device=...)`` named) changes nothing: MPI takes host
-        buffers, and GPU buffers through CUDA-aware MPI or staging, wherever they live.
-
-        ``timeout`` (seconds) is what every Work's ``wait()`` allows when given no timeout.
-        Raises ConfigError for a launch known to abort in MPI_Init (srun --mpi=pmix with an
-        MPICH lacking PMIx), TransportUnavailableError when mpi4py or MPI is missing.
+        ``timeout`` (seconds) is what every wait allows when given none. ``device`` changes
+        nothing: MPI takes host buffers, and GPU buffers through CUDA-aware MPI or staging.
+        Raises ConfigError for a launch known to abort in MPI_Init (:func:`pmix_trap`),
+        TransportUnavailableError when mpi4py or MPI is missing.
         """
         from fuelspmd_mpi._transport import MPITransport
 

@@ -73,11 +73,8 @@ def pmix_trap(version: str, env: Mapping[str, str]) -> str | None:
 
 
 def initialize() -> Any:
-    """Initialise MPI (thread level MULTIPLE) unless it already is; return ``mpi4py.MPI``.
-
-    MULTIPLE is mpi4py's own default and lets a crash handler or a progress thread call
-    MPI; measured on MPICH it costs nothing visible at 8 B next to the run-to-run noise.
-    """
+    """Initialise MPI (thread level MULTIPLE, mpi4py's own default: a crash handler or a
+    progress thread may call MPI) unless it already is; return ``mpi4py.MPI``."""
     MPI = load_mpi()
     if MPI.Is_finalized():
         raise ConfigError("MPI was already finalized in this process and cannot be "

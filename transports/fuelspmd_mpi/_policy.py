@@ -8,19 +8,19 @@ hands a *planner* (``algorithm="auto"``), a callable that maps the group's world
 
 (:func:`fuelspmd.cost.policy.all_reduce_planner` builds one from the calibrated cost
 model). The plugin cannot import the cost model (it sits below it), so the plan arrives as
-plain data.
+plain data, and stays plain data here: a :class:`Route` is its bands.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from fuelspmd.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "RUNS", "Route", "manual_bands", "parse_bands"]
+__all__ = ["ALGORITHMS", "RUNS", "Band", "Route", "manual_bands", "parse_bands"]
 
 RUNS = ("mpi", "shm", "hierarchical")  # what a band may run
 ALGORITHMS = (*RUNS, "auto")  # what set_all_reduce_policy takes
@@ -33,63 +33,74 @@ def _fmt(n: float) -> str:
     return f"{int(n)} B"
 
 
-def manual_bands(algorithm: str, lo: int, hi: int, source: str) -> list[tuple[float, str, str]]:
+class Band(NamedTuple):
+    """All-reduces above the previous band's ``upto`` and up to this one run ``algorithm``."""
+
+    upto: float
+    algorithm: str
+    reason: str
+
+
+def manual_bands(algorithm: str, lo: int, hi: int, source: str) -> list[Band]:
     """Bands for one named algorithm on ``lo..hi`` bytes and MPI's own elsewhere."""
     if algorithm == "mpi":
-        return [(math.inf, "mpi", f"MPI's own all-reduce ({source})")]
+        return [Band(math.inf, "mpi", f"MPI's own all-reduce ({source})")]
     why = f"{algorithm} for {_fmt(lo)}..{_fmt(hi)} ({source})"
-    bands: list[tuple[float, str, str]] = []
-    if lo > 0:
-        bands.append((lo - 0.5, "mpi", f"MPI's own: below the range of {why}"))
-    bands.append((hi, algorithm, why))
-    if hi < 2**62:
-        bands.append((math.inf, "mpi", f"MPI's own: above the range of {why}"))
-    return bands
+    below = [Band(lo - 0.5, "mpi", f"MPI's own: below the range of {why}")] if lo > 0 else []
+    above = [Band(math.inf, "mpi", f"MPI's own: above the range of {why}")] if hi < 2**62 else []
+    return [*below, Band(hi, algorithm, why), *above]
 
 
-def parse_bands(data: Any) -> list[tuple[float, str, str]]:
+def parse_bands(data: Any) -> list[Band]:
     """Check a planner's bands: ascending upper sizes ending unbounded, known algorithms."""
     try:
-        bands = [(float(u), str(a), str(why)) for u, a, why in data]
+        bands = [Band(float(u), str(a), str(why)) for u, a, why in data]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"an all-reduce plan is a list of (upto_bytes, algorithm, reason), "
                           f"got {data!r} ({e})") from None
-    edges = [u for u, _, _ in bands]
+    edges = [b.upto for b in bands]
     if not bands or edges != sorted(set(edges)) or not math.isinf(edges[-1]):
         raise ConfigError(f"an all-reduce plan needs ascending upper sizes ending with inf, "
                           f"got {edges}")
-    bad = sorted({a for _, a, _ in bands} - set(RUNS))
+    bad = sorted({b.algorithm for b in bands} - set(RUNS))
     if bad:
         raise ConfigError(f"an all-reduce plan names {bad}; a band runs one of {list(RUNS)}")
     return bands
 
 
-class Route:
-    """Which algorithm an all-reduce of ``nbytes`` runs, and why."""
+class Route(NamedTuple):
+    """Ascending bands, the last unbounded; ``smallest`` is the fewest bytes a band other
+    than MPI's own takes (smaller all-reduces skip the lookup; inf: MPI's own for all)."""
 
-    __slots__ = ("algos", "edges", "reasons", "routed", "smallest")
+    bands: tuple[Band, ...]
+    edges: tuple[float, ...]
+    smallest: float
 
-    def __init__(self, bands: Sequence[tuple[float, str, str]]) -> None:
-        self.edges = [u for u, _, _ in bands]
-        self.algos = [a for _, a, _ in bands]
-        self.reasons = [why for _, _, why in bands]
-        self.routed = any(a != "mpi" for a in self.algos)  # else: the plain MPI fast path
-        # the fewest bytes any non-MPI band takes: smaller all-reduces skip the band lookup
-        lows = [0.0, *self.edges[:-1]]
-        self.smallest = min((lo for lo, a in zip(lows, self.algos, strict=True) if a != "mpi"),
-                            default=math.inf)
+    @classmethod
+    def of(cls, bands: Iterable[Band]) -> Route:
+        """The route of ``bands`` (as :func:`parse_bands` or :func:`manual_bands` gives)."""
+        bs = tuple(bands)
+        lows = [0.0, *(b.upto for b in bs[:-1])]
+        return cls(bs, tuple(b.upto for b in bs),
+                   min((lo for lo, b in zip(lows, bs) if b.algorithm != "mpi"),
+                       default=math.inf))
 
-    def algorithm(self, nbytes: int) -> str:
-        """The algorithm of the band holding ``nbytes``."""
-        return self.algos[min(bisect_left(self.edges, nbytes), len(self.algos) - 1)]
+    @property
+    def algorithms(self) -> frozenset[str]:
+        """Every algorithm some band runs."""
+        return frozenset(b.algorithm for b in self.bands)
+
+    def band(self, nbytes: int) -> Band:
+        """The band holding ``nbytes``."""
+        return self.bands[min(bisect_left(self.edges, nbytes), len(self.bands) - 1)]
 
     def explain(self, nbytes: int) -> str:
         """The algorithm of ``nbytes``' band and the reason, in words."""
-        i = min(bisect_left(self.edges, nbytes), len(self.algos) - 1)
-        return f"all_reduce of {_fmt(nbytes)}: {self.algos[i]} ({self.reasons[i]})"
+        b = self.band(nbytes)
+        return f"all_reduce of {_fmt(nbytes)}: {b.algorithm} ({b.reason})"
 
-    def replace(self, algorithm: str, why: str) -> Route:
+    def without(self, algorithm: str, why: str) -> Route:
         """This route with ``algorithm``'s bands run by MPI instead, saying ``why``."""
-        return Route([(u, "mpi", f"MPI's own: {algorithm} {why}; the plan said: {r}")
-                      if a == algorithm else (u, a, r)
-                      for u, a, r in zip(self.edges, self.algos, self.reasons, strict=True)])
+        return Route.of(Band(b.upto, "mpi", f"MPI's own: {algorithm} {why}; the plan said: "
+                                            f"{b.reason}") if b.algorithm == algorithm else b
+                        for b in self.bands)

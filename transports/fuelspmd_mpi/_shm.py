@@ -1,141 +1,114 @@
-"""The shared-memory all-reduce: ranks of one node reduce through an MPI-3 shared window.
+"""The shared-memory all-reduce: the ranks of one node reduce through MPI-3 shared windows.
 
-MPICH's Allreduce between processes of a node moves every byte through its own shared
-queues: a ring or Rabenseifner all-reduce copies the data in and out of those queues about
-``4 (n-1)/n`` times, each a send plus a receive copy, and reduces into a private buffer.
-Here every rank maps every other rank's segment of one ``MPI_Win_allocate_shared`` window
-and works on it with plain loads and stores (numpy, ``out=``):
+MPICH's Allreduce within a node copies every byte into and out of its shared queues about
+``4 (n-1)/n`` times and matches messages. Here every rank maps every rank's segment of an
+``MPI_Win_allocate_shared`` window and works on it with loads and stores (numpy, ``out=``).
+Rank ``r`` owns the slice ``[lo_r, hi_r)`` (``count // n`` elements, the first
+``count % n`` ranks one more). An input in the caller's own buffer is *copied in*:
 
-1. copy in: rank ``r`` copies its buffer into the data area of its own segment ``S_r``,
-   all but its own slice (below), which it reads from its buffer directly;
-2. sync; reduce: rank ``r`` owns the slice ``[lo_r, hi_r)`` (``count/n`` elements, the
-   first ``count % n`` ranks one more) and folds ``x_0[i] op x_1[i] op ... op x_{n-1}[i]``
-   left in rank order, in chunks that stay in cache, writing each chunk to its own buffer
-   and to this call's result area of ``S_r`` (for the peers);
-3. sync; copy out: every rank copies slice ``k`` from ``S_k``'s result area, ``k != r``.
+1. ``r`` copies its buffer, all but its own slice, into its segment's data area;
+2. sync; ``r`` folds ``x_0 op x_1 op ... op x_{n-1}`` over its slice, left in rank order,
+   in chunks that stay in cache, into its buffer and a result area of its segment;
+3. sync; ``r`` copies slice ``k`` out of rank ``k``'s result area, for every ``k != r``:
 
-Two phase boundaries, not three: the result areas alternate between calls (two per
-segment), so a rank may start the next call while a slower peer still copies out of the
-previous call's results: the data areas are only read between the two syncs, and a
-result area is written again two calls later, after a sync the slow peer must have passed.
+about ``2 + 2/n`` passes over memory per rank, no message matching. Two syncs, not three:
+calls alternate between two result areas, so a rank may start its next call while a slow
+peer still copies out; an area is written again two calls later, after a sync that peer
+must have passed. A *placed* input (the transport's ``lend``: an area of a lent window of
+its size class) is not copied: when every rank's input starts a lent area, each rank
+folds its slice into that slice of every rank's area (no other rank touches it) and one
+sync later every area holds the result: ``N`` read and ``N`` written per rank. A lent area
+is never the copy-in area, so a caller may hold a result there while other all_reduces of
+its size run. From ``PIPE_MIN`` bytes, when every rank has a core of its own, the three
+steps run per ``_CHUNK`` through two small slots per rank that stay in cache, the syncs
+being flag handshakes (with more ranks than cores each would wait for a time slice).
 
-Placed inputs. A second window per size class is *lent*
-(:meth:`ShmAllReduce.shared_buffer`, and the transport's ``window_buffer``, through which
-the lazy graph places all_reduce inputs and buckets there). A class gets more lent windows
-as a program holds more results of its size at once (the buckets of one step): a rank that
-asks for a free area and finds all held (or none yet: the class's first) says so in its
-next call's header, and at the end of that call every rank adds one (allocating is
-collective, and only inside a call do the ranks know they are all there), up to
-``LENT_MAX`` and within the cap (:mod:`fuelspmd_mpi._shm_lent`).
+Each call writes a header into its rank's line of the flag window (``_FLAG_WORDS`` int64),
+then the ranks meet at the first sync:
 
-When every rank's input starts one of its lent areas (not necessarily the same one), no
-data is copied in: each rank folds its slice and writes the result into that slice of
-every rank's area (only it touches that slice of any area), and the ranks sync once: every
-area then holds the whole result. That is ``N`` read and ``N`` written per rank in one
-pass, against the copy-in path's extra ``(n-1)/n N`` in and out; measured, 2 ranks on 2
-cores, against MPICH (``fuelspmd bench shm``, column ``shm_zc``, this tree and the one
-before alternately): 1.56-1.89x at 1 MiB, 1.94-2.10x at 4 MiB, 2.30-2.62x at 16 MiB,
-3.99-4.15x at 64 MiB, where folding in place, copying the others' slices out after a sync
-and meeting once more gave 1.36-1.51x, 1.81-1.83x, 1.69-1.71x and 3.15-3.59x. The ranks
-learn from the headers, after the first sync, whether all inputs were placed; when only
-some were, those ranks copy in like the others and all sync once more. The lent area is
-never the copy-in area, so a caller may hold a result there while other all_reduces of
-that size run through the copy-in path.
+====  ===================================================================================
+word  meaning
+====  ===================================================================================
+0     phase counter, raised at every sync (:meth:`ShmAllReduce._sync`)
+1, 2  the pipelined path's two handshakes: the chunk number
+3-6   element count, dtype (``dtype.num``), op (index in ``ReduceOp``), call number (shm
+      all-reduces of this group so far): must be equal on every rank
+7-9   the caller's check words (``Check``: the ``checked`` capability)
+10    the lent area of the class that holds the input: its index plus one; 0 for none
+11    1: this rank found no free lent area of the class and asks for one more
+12    1: this rank lost its core lately (``_SLOW_CALLS``): keep off the pipelined path
+====  ===================================================================================
 
-Per rank that is ``(n-1)/n N`` copied in, ``N`` read and ``2N/n`` written by the fold,
-``(n-1)/n N`` copied out: about ``2 + 2/n`` passes over memory, against about
-``4 (n-1)/n`` sends and copies for MPI's ring, and no message matching.
+Every rank decides alike. After the first sync all ranks read the same lines. Where words
+3-6 differ, every rank raises CollectiveMismatchError before any data area is read (none
+reads past a peer's segment); otherwise each choice is a pure function of those lines: the
+path (placed when every word 10 is set; pipelined when the size allows and no word 12 is
+set; else copy-in), whether the copy-in window is made first, whether a lent window is
+added (any word 11; up to ``LENT_MAX``). Making and freeing a window is collective and
+happens only there, where every rank is in the same call of the same size. Which windows
+exist, and so whether one more fits under the cap, follows from the sequence of collective
+sizes, the same on every rank; the cap and whether to pipeline are agreed at creation.
 
-From ``PIPE_MIN`` (4 MiB), when every rank has a core of its own, the same three steps
-run per chunk of 256 KiB through two small slots per rank (:meth:`ShmAllReduce._pipelined`),
-the phase boundaries being flag handshakes in shared memory: the slots stay in cache
-where the whole-size window does not (MPICH's own copies go through small buffers too).
-Measured interleaved against the whole-size path, 2 ranks on 2 cores, 16 MiB float32:
-1.19-1.34x MPI against 0.96-0.99x; at 64 MiB both about 1.8x. An earlier pipelined
-variant with MPI barriers between blocks reached only 0.6-0.8x of MPI, and with more
-ranks than cores a fine-grained handshake waits for a time slice per chunk (0.21x at 4
-ranks on 2 cores), so oversubscribed groups keep the whole-size path.
+Results: the left fold in rank order is bitwise the same on every rank, equal to
+``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; against MPI floats agree to
+rounding, integers bitwise. avg is sum, then division by ``n`` (floor for integers).
 
-Results: the fixed left fold in rank order means every rank gets the bitwise-same result,
-equal to ``functools.reduce(op, [x_0, ..., x_{n-1}])`` in numpy; MPI may associate a float
-sum differently, so against MPI floats agree to rounding, integers bitwise. avg is sum then
-a division by ``n`` (floor division for integers), as on the MPI path.
-
-Memory synchronisation follows the MPI-3 *unified* memory model (which shared windows
-have on every MPI we know; :class:`ShmAllReduce` checks ``MPI.WIN_MODEL``): each window is
-held under a passive-target ``Lock_all`` epoch for its life, and a phase boundary is
-``Win.Sync`` (a memory barrier: my stores are visible, later loads see others'), a flag
-handshake in a small window of its own (each rank raises its counter and polls the
-others', against the transport's deadline: never a silent hang) and ``Win.Sync`` again.
-The handshake replaced an ``MPI_Ibarrier``: a rank waiting in MPI yields its core after a
-few microseconds and, on a busy machine, loses it to another job for a time slice.
-
-Windows are allocated once per size class (powers of two, at least 64 KiB) and kept until
-:meth:`ShmAllReduce.free`; their total per rank is capped (``cap_bytes``), and a call that
-would need a window beyond the cap goes through MPI instead (every rank decides the same,
-since all ranks see the same sequence of collective sizes). A copy-in window is made by
-the first call of its class whose inputs are not all placed, after the first sync (every
-rank is there), so a class whose inputs are always placed never holds one. Each call
-writes a header (element count, dtype, op, call number; where its input lies, whether it
-asks for a lent area, whether it lost its core lately) into the rank's line of the flag
-window, which every rank checks against its peers' after the first sync: ranks that
-disagree raise CollectiveMismatchError, every one of them, instead of reading past a
-segment; ranks that agree all take the path the headers give (placed, pipelined or
-copy-in), with no further vote.
-
-Only ranks that share memory can do this: :meth:`ShmAllReduce.create` returns None when
-the group spans several nodes (``Split_type(COMM_TYPE_SHARED)`` is smaller than the
-group). A multi-node group uses MPI for the whole all-reduce; a hierarchical all-reduce
-(intra-node shm, inter-node MPI) is built above the transport from ``split`` transports,
-where each intra-node split can use this path.
+Memory: shared windows have MPI-3's unified model (checked), each under a ``Lock_all``
+epoch for its life. A sync is ``Win.Sync`` (a full memory barrier in MPICH and Open MPI)
+around a flag handshake polled against the transport's deadline (CommTimeoutError names a
+missing rank), not ``MPI_Ibarrier``: a rank waiting inside MPI yields its core and may lose
+it for a time slice. Windows go by size class (powers of two, at least ``MIN_CLASS``),
+are kept until :meth:`ShmAllReduce.free` and capped per rank (a size over the cap runs
+MPI's own). They are pages of ``/dev/shm``, where a window whose pages do not fit kills its
+process with SIGBUS at the first store, so the cap is at most a quarter of the free space
+over the ranks (a copy-in window takes up to twice its class; other jobs share the space).
+:meth:`ShmAllReduce.create` returns None for a group that spans nodes (:mod:`fuelspmd_mpi._hier`
+serves those).
 """
 
 from __future__ import annotations
 
 import os
-import time
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.errors import CommTimeoutError
-from fuelspmd.transport import WATCH_S, Check, Disagreement, ReduceOp
-from fuelspmd_mpi._shm_lent import LentAreas
-from fuelspmd_mpi._shm_window import (
-    HEADER,
-    MIN_CLASS,
-    OP_CODE,
-    SHM_DTYPES,
-    UFUNC,
-    Window,
-    check_headers,
-    fold,
-    round_up,
-    size_class,
-)
+from fuelspmd.backend import tracked
+from fuelspmd.errors import CollectiveMismatchError
+from fuelspmd.transport import Check, Disagreement, ReduceOp
+from fuelspmd_mpi._work import UFUNCS, divide, spin
 
-__all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "size_class"]
+__all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "Window", "size_class"]
 
 SHM_DIR = "/dev/shm"  # where MPICH and Open MPI put the pages of a shared window
-# int64 words of a rank's flag line (two cache lines): 0 the phase counter, 1-2 the
-# pipelined handshakes, 3-12 the call's header: count, dtype, op, call number (3-6,
-# checked against the peers'), the caller's three check words (7-9, see Check), the lent
-# area its input lies in (0: none), whether it asks for a lent area, whether it lost its
-# core lately
-_FLAG_WORDS = 16
-# how long a phase wait spins before it yields the core (when every rank has a core)
-_SPIN_S = 2e-3
-# The pipelined path (every rank on a core of its own): from this size, in chunks of this
-# many bytes. Measured, 2 ranks, 16 MiB float32: 256 KiB chunks 1.25x MPI, 1 MiB 1.11x,
-# 4 MiB 1.01x (Python's cost per chunk against the cache); 4 ranks on 2 cores 0.21x,
-# hence only without oversubscription.
+MIN_CLASS = 1 << 16  # the smallest window: bytes per rank
+LENT_MAX = 16  # lent windows per size class at most
+# float16, bfloat16 and bool keep the MPI path (float32 staging, logical ops)
+SHM_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 PIPE_MIN = 4 << 20
-_PIPE_CHUNK = 1 << 18
-# A pipelined call whose handshakes waited this long past the spin (a peer lost its core)
-# sends the next calls down the whole-size path (see ShmAllReduce._pipelined).
-_SLOW_WAIT_S = 1e-3
-_SLOW_CALLS = 16
+_CHUNK = 1 << 18  # a pipelined chunk, and the fold's: its partial result stays in cache
+_FLAG_WORDS = 16  # a rank's flag line: two cache lines (the table above)
+_SPIN_S = 2e-3  # a sync spins this long before it yields the core (every rank on a core)
+_SLOW_WAIT_S, _SLOW_CALLS = 1e-3, 16  # handshakes waited this long: whole-size for a while
+_OPS = list(ReduceOp)
+_DTYPE_NAME = {d.num: d.name for d in SHM_DTYPES}
+
+
+def size_class(nbytes: int) -> int:
+    """The window size (bytes per rank) that holds ``nbytes``: a power of two."""
+    return max(MIN_CLASS, 1 << max(0, int(nbytes) - 1).bit_length())
+
+
+def _part(nbytes: int, n: int) -> int:
+    """Bytes of one result area: a slice of ``nbytes`` over ``n``, 8 more, cache-aligned."""
+    return -(-(-(-nbytes // n) + 8) // 64) * 64
+
+
+def _bounds(count: int, n: int) -> list[int]:
+    base, extra = divmod(count, n)
+    return [k * base + min(k, extra) for k in range(n + 1)]
 
 
 def _cores() -> int:
@@ -152,80 +125,129 @@ def _shm_free(path: str = SHM_DIR) -> int:
     return st.f_bavail * st.f_frsize
 
 
+class Window:
+    """One shared window: ``nbytes`` per rank, every rank's segment mapped (``segs``, uint8),
+    held under a ``Lock_all`` epoch until :meth:`free`. Making and freeing it is collective
+    over the node. ``uses`` counts the copy-in calls through it (their result areas
+    alternate)."""
+
+    __slots__ = ("nbytes", "segs", "uses", "win")
+
+    def __init__(self, MPI: Any, node: Any, nbytes: int) -> None:
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's NUMA node
+        try:
+            self.win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=node)
+        finally:
+            info.Free()
+        if self.win.Get_attr(MPI.WIN_MODEL) != MPI.WIN_UNIFIED:
+            self.win.Free()
+            raise RuntimeError("this MPI gave a shared window the separate memory model; "
+                               "the shared-memory all-reduce relies on the unified one")
+        self.nbytes, self.uses = nbytes, 0
+        self.segs = [np.frombuffer(self.win.Shared_query(k)[0], np.uint8, nbytes)
+                     for k in range(node.Get_size())]
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+
+    def free(self) -> None:
+        """End the epoch and free the window (collective over the node)."""
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dests: list[np.ndarray],
+         also: np.ndarray) -> None:
+    """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)``.
+
+    The result goes to ``also`` (the caller's slice ``[lo, hi)``) and to every array of
+    ``dests``, indexed from 0, in chunks that keep the partial result in cache. ``also``
+    may be this rank's own input at the same indices and ``dests`` the peers' (a chunk is
+    read before it is written): with two ranks the fold writes ``also`` elementwise, with
+    more a later step would read an overwritten input, so a scratch buffer takes it.
+    """
+    if hi <= lo:
+        return
+    ufunc, n = UFUNCS[op], len(srcs)
+    step = max(1, _CHUNK // also.itemsize)
+    tmp = np.empty(min(step, hi - lo), also.dtype) if n > 2 else None
+    for a in range(0, hi - lo, step):
+        b = min(hi - lo, a + step)
+        o = also[a:b]
+        t = o if tmp is None else tmp[:b - a]
+        ufunc(srcs[0][lo + a:lo + b], srcs[1][lo + a:lo + b], out=t)
+        for k in range(2, n):
+            ufunc(t, srcs[k][lo + a:lo + b], out=t)
+        if op is ReduceOp.AVG:
+            divide(t, n)
+        if tmp is not None:
+            o[...] = t
+        for d in dests:
+            d[a:b] = t
+
+
+def _mismatch(heads: list[list[int]], rank: int, seq: int) -> NoReturn:
+    """Raise CollectiveMismatchError naming every rank's header words 3-6."""
+    names = ("count", "dtype", "op", "call number (a rank is in another size class)")
+    rows = [f"rank {k}: count={c} dtype={_DTYPE_NAME.get(d, d)} "
+            f"op={_OPS[o].value if 0 <= o < len(_OPS) else '?'} call={call}"
+            for k, (c, d, o, call) in enumerate(h[:4] for h in heads)]
+    differ = [names[i] for i in range(4) if len({h[i] for h in heads}) > 1]
+    raise CollectiveMismatchError(
+        f"all_reduce #{seq} (shared memory) on rank {rank}: the ranks disagree on "
+        f"{', '.join(differ)} ({'; '.join(rows)}); every rank must all_reduce the same "
+        f"number of elements of the same dtype with the same op, in the same order")
+
+
 class ShmAllReduce:
     """The shared-memory all-reduce of one single-node group (see the module docstring).
 
-    ``timeout`` is the transport's deadline for one phase wait; ``late(seq, timeout)``
-    words the CommTimeoutError (the transport names the operation and who is missing).
-    ``pipelined`` says whether sizes from ``PIPE_MIN`` take the chunked path (every rank
-    has a core of its own; all ranks agree).
+    ``timeout`` bounds one sync; ``late(seq, timeout)`` words its CommTimeoutError (the
+    transport names the operation). ``pipelined``: sizes from ``PIPE_MIN`` take the chunked
+    path (every rank has a core of its own; agreed by all ranks).
     """
 
     def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, timeout: float,
                  late: Callable[[int, float], str]) -> None:
-        self._MPI = MPI
-        self._node = node
+        self._MPI, self._node = MPI, node
         self.rank: int = node.Get_rank()
         self.size: int = node.Get_size()
-        self.cap_bytes = int(cap_bytes)
         self.timeout = float(timeout)
         self._late = late
-        self._windows: dict[int, Window] = {}  # the copy-in windows
-        self._lent = LentAreas(MPI, node)  # where callers place inputs (shared_buffer)
-        # shm all-reduces so far, in every call's header
-        self._calls = 0
-        # The phase flags and call headers: one 64-byte line per rank in a window of their
-        # own, so ranks whose calls would land in different data windows still meet (and
-        # then see the mismatch in the headers) instead of waiting for each other until the
-        # deadline.
-        info = MPI.Info.Create()
-        info.Set("alloc_shared_noncontig", "true")
-        try:
-            self._flag_win = MPI.Win.Allocate_shared(_FLAG_WORDS * 8, 1, info, comm=node)
-        finally:
-            info.Free()
-        self._flags = [np.frombuffer(self._flag_win.Shared_query(k)[0], np.int64, _FLAG_WORDS)
-                       for k in range(self.size)]
+        self._copy: dict[int, Window] = {}  # size class -> its copy-in window
+        self._lent: dict[int, list[Window]] = {}  # size class -> its lent windows
+        # per lent window, a weak reference to the one array its area was handed out as
+        # (every view of it derives from that array, so it is alive while any view is)
+        self._held: dict[int, list[weakref.ref[np.ndarray] | None]] = {}
+        self._asked: set[int] = set()  # classes whose areas were all held when asked
+        self._pipe_win: Window | None = None
+        self._calls = self._syncs = self._pipe_chunks = self._slow_left = 0
+        self._waited = 0.0  # seconds this call's handshakes waited past the spin
+        # the flags and headers in a window of their own: ranks whose calls would use
+        # different data windows still meet, and see the mismatch in the headers
+        self._flag = Window(MPI, node, _FLAG_WORDS * 8)
+        self._flags = [s.view(np.int64) for s in self._flag.segs]
         self._flags[self.rank][:] = 0
-        self._flag_win.Lock_all(MPI.MODE_NOCHECK)
-        self._syncs = 0
-        # Spin while our ranks have a core each; when they outnumber the cores, a spinning
-        # waiter holds the core the rank it waits for needs, so yield at once.
-        # The pipelined path needs every rank on a core of its own (it meets its peers
-        # twice per chunk); all ranks agree, whatever their own affinity says.
-        # Shared windows are pages of a tmpfs (/dev/shm): one whose pages do not fit is
-        # mapped all the same and kills its process with SIGBUS at the first store that
-        # finds no page (a container's /dev/shm is 64 MiB by default). So the cap per rank
-        # is at most a quarter of the free space split over the ranks (a copy-in window
-        # with its result areas takes up to twice its class; other jobs share the space),
-        # from the least any rank saw, so that every rank decides every window the same.
+        # agreed by all ranks: pipelining needs a core per rank (a spinning waiter holds
+        # the core its peer needs otherwise: then yield at once); the cap is a quarter of
+        # the least free /dev/shm any rank saw, over the ranks
         free = _shm_free()
         agreed = np.array([1 if self.size <= _cores() else 0, free if free >= 0 else 1 << 62],
                           np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
-        free, self.cap_note = int(agreed[1]), ""  # free unknown: 2**62, no bound
-        if free // (4 * self.size) < self.cap_bytes:
-            self.cap_bytes = free // (4 * self.size)
-            self.cap_note = (f"{SHM_DIR} has {free >> 20} MiB free for "
+        self._spin_s = _SPIN_S if self.pipelined else 0.0
+        self.cap_bytes, self.cap_note = min(int(cap_bytes), int(agreed[1]) // (4 * self.size)), ""
+        if self.cap_bytes < int(cap_bytes):
+            self.cap_note = (f"{SHM_DIR} has {int(agreed[1]) >> 20} MiB free for "
                              f"{self.size} ranks and the cap is a quarter of it per rank: "
                              f"give it more (docker run --shm-size=1g) or ask for less")
-        self._spin_s = _SPIN_S if self.pipelined else 0.0
-        self._pipe_win: tuple[Any, list[np.ndarray], list[np.ndarray]] | None = None
-        self._pipe_bytes = 0
-        self._pipe_chunks = 0
-        self._waited = 0.0  # seconds this call's handshakes spent waiting past the spin
-        self._slow_left = 0  # calls to run whole-size after a pipelined call lost its cores
         node.Barrier()  # every flag is 0 before anyone waits on it
 
     @classmethod
     def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, timeout: float,
                late: Callable[[int, float], str]) -> ShmAllReduce | None:
-        """Return the fast path of ``comm``, or None when its ranks do not all share memory.
-
-        Collective over ``comm``. The node communicator keeps ``comm``'s rank order.
-        ``late(seq, timeout)`` words the CommTimeoutError of a phase nobody finished.
-        """
+        """The shm all-reduce of ``comm`` (in its rank order), or None when its ranks do not
+        all share memory. Collective over ``comm``."""
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         if node.Get_size() != comm.Get_size():
             node.Free()
@@ -234,19 +256,72 @@ class ShmAllReduce:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of window this rank holds (its segments, the flag line excluded)."""
-        return sum(self._windows) + self._lent.nbytes + self._pipe_bytes
+        """Bytes of window this rank holds: its classes, lent and copy-in, and the slots."""
+        return (sum(self._copy) + sum(c * len(ws) for c, ws in self._lent.items())
+                + (0 if self._pipe_win is None else self._pipe_win.nbytes))
+
+    def _pipe_seg(self) -> int:
+        return 2 * _CHUNK + 2 * _part(_CHUNK, self.size)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` can run here under the cap: its class fits, or
+        it is pipelined (whose slots are small)."""
+        if self.pipelined and nbytes >= PIPE_MIN and self._pipe_seg() <= self.cap_bytes:
+            return True
+        return size_class(nbytes) <= self.cap_bytes
+
+    # -- lent areas ----------------------------------------------------------------------
+
+    def lend(self, nbytes: int) -> np.ndarray | None:
+        """A whole lent area (uint8) of ``nbytes``' class that nobody holds a view of, or
+        None, which asks for one more (or the class's first): the class's next all_reduce
+        adds it on every rank. Local."""
+        cls = size_class(nbytes)
+        held = self._held.get(cls, [])
+        for i, ref in enumerate(held):
+            if ref is None or ref() is None:
+                area = tracked(self._lent[cls][i].segs[self.rank])
+                held[i] = weakref.ref(area)
+                return area
+        self._asked.add(cls)
+        return None
+
+    def _placed(self, flat: np.ndarray) -> int:
+        """Which lent area of its class ``flat`` starts: its index plus one, or 0.
+
+        A view of an area has the area's array as its base, so areas are told apart by
+        identity, and a view starts one when its first element overlaps the area's first
+        byte (``shares_memory``: cheaper than reading an address out of a dict)."""
+        base = flat.base
+        if base is None or not flat.size:
+            return 0
+        for i, ref in enumerate(self._held.get(size_class(flat.nbytes), ())):
+            if ref is not None and ref() is base:
+                return i + 1 if np.shares_memory(flat[:1], base[:1]) else 0
+        return 0
+
+    def lent(self, buf: np.ndarray) -> bool:
+        """Whether ``buf`` is a view of a lent area (at any offset)."""
+        base = buf.base
+        return base is not None and any(ref is not None and ref() is base
+                                        for refs in self._held.values() for ref in refs)
+
+    def _grow(self, cls: int) -> None:
+        """Add a lent window to ``cls`` (some rank asked: every rank read it in the headers)
+        when the cap leaves room for it and for the class's copy-in window."""
+        ws, held = self._lent.setdefault(cls, []), self._held.setdefault(cls, [])
+        room = self.cap_bytes - self.allocated_bytes - (0 if cls in self._copy else cls)
+        if len(ws) < LENT_MAX and cls <= room:
+            ws.append(Window(self._MPI, self._node, cls))
+            held.append(None)
+        elif not ws:  # nothing fits: the class stays unlent
+            del self._lent[cls], self._held[cls]
+
+    # -- syncs ---------------------------------------------------------------------------
 
     def _sync(self, win: Any, seq: int, check: Check | None = None) -> None:
-        """Wait until every rank reached this phase boundary: a flag handshake in shared
-        memory (each rank raises its counter, then polls everyone's), fenced by
-        ``Win.Sync`` (a memory barrier) of ``win`` on both sides.
-
-        An MPI barrier would do, but a rank that waits in one yields its core after a few
-        microseconds, and on a busy machine the scheduler may then run another job's
-        process for a whole time slice: measured at 16 MiB on 2 ranks, phase waits of
-        3-8 ms around 2.5 ms of work.
-        """
+        """Wait until every rank reached this phase boundary: a flag handshake fenced by
+        ``Win.Sync`` of ``win`` (a memory barrier) on both sides."""
         win.Sync()
         self._syncs += 1
         self._raise_and_wait(0, self._syncs, seq, check)
@@ -254,267 +329,138 @@ class ShmAllReduce:
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
-        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``,
-        calling ``check.watch()`` every ``WATCH_S`` of the wait (see :meth:`all_reduce`),
-        until the transport's deadline or ``check.timeout`` if that is sooner; the
-        CommTimeoutError names the ranks whose flag never rose.
-
-        ``Win.Sync`` of the flag window before raising the flag and after seeing the others'
-        is the memory barrier around the phase: MPI_Win_sync is a full processor memory
-        barrier in MPICH (and Open MPI), so stores to the data windows are covered too.
-        """
-        self._flags[self.rank][slot] = k
-        self._flag_win.Sync()
+        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``
+        (:func:`~fuelspmd_mpi._work.spin`, calling ``check.watch``, until the deadline or
+        ``check.timeout`` if sooner: CommTimeoutError naming the ranks whose flag never
+        rose). ``Win.Sync`` of the flag window on both sides is a full memory barrier, so
+        stores to the data windows are covered too."""
         flags = self._flags
-        clock = time.monotonic
-        began = start = clock()  # the deadline's start; the current spin's
-        watched = began + WATCH_S
-        limit = self.timeout if check is None else min(self.timeout, check.timeout)
-        spins = 0
-        while True:
-            if all(f[slot] >= k for f in flags):
-                return
-            spins += 1
-            if spins & 63 == 0:
-                now = clock()
-                if now - began > limit:
-                    missing = [j for j, f in enumerate(flags) if f[slot] < k]
-                    raise CommTimeoutError(f"{self._late(seq, limit)} (rank(s) {missing} of "
-                                           f"the group never reached it)")
-                if check is not None and now > watched:
-                    check.watch()
-                    watched = clock() + WATCH_S
-                if now - start > self._spin_s:
-                    self._waited += now - start
-                    start = now
-                    os.sched_yield()
-            self._flag_win.Sync()
+        flags[self.rank][slot] = k
+        self._flag.win.Sync()
 
-    def _pipe(self) -> tuple[Any, list[np.ndarray], list[np.ndarray]] | None:
-        """The pipelined path's window (collective on first use): per rank two input slots
-        of ``_PIPE_CHUNK`` bytes and two result slots; None when over the cap."""
-        if self._pipe_win is None:
-            seg = self._pipe_seg()
-            if self.allocated_bytes + seg > self.cap_bytes:
-                return None
-            info = self._MPI.Info.Create()
-            info.Set("alloc_shared_noncontig", "true")
-            try:
-                win = self._MPI.Win.Allocate_shared(seg, 1, info, comm=self._node)
-            finally:
-                info.Free()
-            segs = [np.frombuffer(win.Shared_query(k)[0], np.uint8, seg)
-                    for k in range(self.size)]
-            ins = [s[:2 * _PIPE_CHUNK] for s in segs]
-            res = [s[2 * _PIPE_CHUNK:] for s in segs]
-            win.Lock_all(self._MPI.MODE_NOCHECK)
-            self._pipe_win = (win, ins, res)
-            self._pipe_bytes = seg
-        return self._pipe_win
+        def late(limit: float) -> str:
+            missing = [j for j, f in enumerate(flags) if f[slot] < k]
+            return f"{self._late(seq, limit)} (rank(s) {missing} of the group never reached it)"
 
-    def _pipe_seg(self) -> int:
-        """Bytes per rank of the pipelined path's window: two input and two result slots."""
-        return 2 * _PIPE_CHUNK + 2 * round_up(-(-_PIPE_CHUNK // self.size) + 8, HEADER)
+        self._waited += spin(lambda: all(f[slot] >= k for f in flags),
+                             self.timeout if check is None else min(self.timeout, check.timeout),
+                             late, None if check is None else check.watch, self._spin_s)
+        self._flag.win.Sync()
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether an all-reduce of ``nbytes`` can run here under the cap: its whole-size
-        window fits, or it is pipelined (whose slots are small)."""
-        if self.pipelined and nbytes >= PIPE_MIN and self._pipe_seg() <= self.cap_bytes:
-            return True
-        return size_class(nbytes) <= self.cap_bytes
-
-    def window(self, nbytes: int) -> Window | None:
-        """Return the window of ``nbytes``' class, allocating it (collective) within the cap."""
-        cls = size_class(nbytes)
-        w = self._windows.get(cls)
-        if w is None:
-            if self.allocated_bytes + cls > self.cap_bytes:
-                return None
-            w = self._windows[cls] = Window(self._MPI, self._node, cls)
-        return w
-
-    def shared_buffer(self, nbytes: int) -> np.ndarray:
-        """Return ``nbytes`` (uint8) of a lent shared area, for a zero-copy all_reduce input.
-
-        Collective on the first call of a size class (it allocates that class's lent
-        window; every rank calls it with the same ``nbytes``), then the same memory again.
-        An all_reduce of an array that starts at the returned view's first byte and has
-        the same class of size reads its input where it lies and leaves the result there:
-        when every rank's input is so placed, each folds its slice into every rank's
-        segment (:meth:`_reduce_in_window`), one pass over memory, where copying in takes
-        two. The view stays valid until the transport is finalized; the
-        transport never writes it except as such an all_reduce's buffer, so its owner may
-        hold a result there while other all_reduces run.
-        """
-        return self._lent.first(nbytes, self.allocated_bytes, self.cap_bytes, self.cap_note)
-
-    def lends(self, nbytes: int) -> bool:
-        """Whether ``nbytes``' class has a lent area already (else :meth:`shared_buffer`
-        allocates one: collective)."""
-        return size_class(nbytes) in self._lent.windows
-
-    def lent_area(self, nbytes: int) -> np.ndarray | None:
-        """A whole lent area of ``nbytes``' class that nobody holds any view of, else None
-        (local). None also asks for one more area, or the class's first: the class's next
-        all_reduce adds it on every rank after its header sync (allocating is collective),
-        within the cap."""
-        return self._lent.free_area(nbytes)
-
-    def lent_holds(self, buf: np.ndarray) -> bool:
-        """Whether ``buf`` lies in one of the lent areas."""
-        return self._lent.holds(buf)
-
-    def _grow(self, cls: int, want: bool) -> None:
-        """Add a lent area to ``cls`` when some rank asked (``want``, read from every rank's
-        header after a sync, so all ranks agree) and the cap leaves room for it and for the
-        class's copy-in window."""
-        if want:
-            copy_in = 0 if cls in self._windows else cls
-            self._lent.grow(cls, self.cap_bytes - self.allocated_bytes - copy_in)
+    # -- the all-reduce ------------------------------------------------------------------
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
                    check: Check | None = None) -> bool:
         """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
 
-        Blocking: it returns when the result is in ``buf`` on this rank (the caller hands
-        back a completed Work). Every call starts with one sync after each rank wrote its
-        header (count, dtype, op, call number; where its input lies; whether it asks for a
-        lent area; whether it lost its core lately) into its flag line: the ranks check
-        the headers against each other and, all reading the same headers, take the same
-        path: placed (every input in a lent area), pipelined, or the whole-size copy-in.
-
-        ``check`` (:class:`~fuelspmd.transport.Check`), when given, rides on that
-        header: every rank's words are handed to ``check.agrees`` after the sync, before
-        any data moves (:class:`~fuelspmd.transport.Disagreement` on every rank when they
-        do not agree), and ``check.watch()`` is called every ``WATCH_S`` while this rank
-        waits at that sync.
+        Blocking: the result is in ``buf`` when it returns. ``check``, when given, rides in
+        the header (words 7-9): every rank's words go to ``check.agrees`` after the first
+        sync, before any data moves (:class:`Disagreement` on every rank otherwise), and
+        ``check.watch()`` runs while this rank waits there.
         """
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         nbytes = flat.nbytes
         cls = size_class(nbytes)
-        zero_copy = self._lent.index(flat)  # which lent area holds it (0: none)
-        want = self._lent.asked(cls)
+        placed = self._placed(flat)
+        want = cls in self._asked
+        self._asked.discard(cls)
         pipe = self.pipelined and nbytes >= PIPE_MIN
         slow = pipe and self._slow_left > 0
-        if slow:
-            self._slow_left -= 1
-        base, extra = divmod(count, n)
-        bounds = [k * base + min(k, extra) for k in range(n + 1)]
+        self._slow_left -= slow
+        bounds = _bounds(count, n)
         lo, hi = bounds[r], bounds[r + 1]
-        # the copy-in window exists on every rank or on none (allocating it is collective):
-        # one that exists is filled before the first sync when this call surely takes the
-        # whole-size copy-in path; otherwise once the headers say so
-        w = self._windows.get(cls)
-        copied = w is not None and not zero_copy and (not pipe or slow)
-        if copied:  # our own slice is read from the caller's buffer, not copied in
+        # the copy-in window exists on every rank or on none; one that exists is filled
+        # before the first sync when this call surely takes the copy-in path
+        w = self._copy.get(cls)
+        copied = w is not None and not placed and (not pipe or slow)
+        if copied:
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
         words = (0, 0, 0) if check is None else check.words
-        self._flags[r][3:13] = (count, dt.num, OP_CODE[op], self._calls, *words, zero_copy,
+        self._flags[r][3:13] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
                                 want, slow)
-        self._sync(self._flag_win, seq, check)
+        self._sync(self._flag.win, seq, check)
         heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
         if check is not None and not check.agrees([h[4:7] for h in heads]):
             raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:7] for h in heads])
-        mine = heads[r][:4]
-        for h in heads:
-            if h[:4] != mine:
-                check_headers(heads, r, seq)
-        placed = [h[7] for h in heads]
-        want = any(h[8] for h in heads)
-        if all(placed):  # each rank's input in one of its lent areas (not always the same)
-            segs, win = self._lent.segments(placed, nbytes, dt)
-            self._reduce_in_window(segs, bounds, op, win, seq)
+        if any(h[:4] != heads[r][:4] for h in heads):
+            _mismatch(heads, r, seq)
+        if all(h[7] for h in heads):  # every input in a lent area (not always the same)
+            ws = self._lent[cls]
+            segs = [ws[h[7] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
+            fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
+                 segs[r][lo:hi])
+            self._sync(ws[placed - 1].win, seq)
         elif pipe and not any(h[9] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
-            # every rank copied in before the sync when the window existed and none was
-            # placed or stayed ready for the pipelined path; otherwise those that did not
-            # copy in now, and all sync once more
+            # every rank copied in before the sync when the window existed and no rank's
+            # input was placed or meant for the pipelined path; else the others copy now
             ready = w is not None and not any(h[7] or (pipe and not h[9]) for h in heads)
             if w is None:
-                w = self.window(nbytes)
-                if w is None:  # beyond the cap: every rank decides the same, MPI reduces it
-                    return False
+                if self.allocated_bytes + cls > self.cap_bytes:
+                    return False  # beyond the cap: every rank decides the same
+                w = self._copy[cls] = Window(self._MPI, self._node, cls + 2 * _part(cls, n))
             if not ready:
                 if not copied:
                     self._copy_in(w, flat, lo, hi)
                 self._sync(w.win, seq)
-            segs = [d[:nbytes].view(dt) for d in w.data]
-            # this call's result areas: the previous call's are still read by a slower peer
-            area = w.results[w.calls % 2]
-            w.calls += 1
-            res = [a[:(bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
-                   for k, a in enumerate(area)]
-            fold([flat if k == r else s for k, s in enumerate(segs)], lo, hi, op, [res[r]],
-                 flat[lo:hi])
+            part = _part(cls, n)
+            at = cls + (w.uses % 2) * part  # this call's result areas
+            w.uses += 1
+            res = [s[at:at + (bounds[k + 1] - bounds[k]) * dt.itemsize].view(dt)
+                   for k, s in enumerate(w.segs)]
+            fold([flat if k == r else s[:nbytes].view(dt) for k, s in enumerate(w.segs)],
+                 lo, hi, op, [res[r]], flat[lo:hi])
             self._sync(w.win, seq)
             for k in range(n):
                 if k != r:
                     flat[bounds[k]:bounds[k + 1]] = res[k]
-        self._grow(cls, want)
+        if any(h[8] for h in heads):
+            self._grow(cls)
         return True
+
     def _copy_in(self, w: Window, flat: np.ndarray, lo: int, hi: int) -> None:
         """Copy ``flat`` into this rank's data area of ``w``, all but its own slice."""
-        mine = w.data[self.rank][:flat.nbytes].view(flat.dtype)
+        mine = w.segs[self.rank][:flat.nbytes].view(flat.dtype)
         mine[:lo] = flat[:lo]
         mine[hi:] = flat[hi:]
 
+    def _pipe(self) -> Window | None:
+        """The pipelined path's window (made on first use, collective): per rank two input
+        slots of ``_CHUNK`` bytes and two result slots; None when over the cap."""
+        if self._pipe_win is None and self.allocated_bytes + self._pipe_seg() <= self.cap_bytes:
+            self._pipe_win = Window(self._MPI, self._node, self._pipe_seg())
+        return self._pipe_win
+
     def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> None:
-        """The all-reduce in chunks of ``_PIPE_CHUNK`` bytes through two small slots.
+        """The all-reduce in chunks of ``_CHUNK`` bytes through two small slots.
 
         Per chunk ``c`` (slot ``c % 2``): copy in the chunk but this rank's slice; flag 1;
-        fold this rank's slice from the slots and its own buffer, into its buffer and its
-        result slot; flag 2; copy every peer's result slice out. The slots stay in cache
-        (MPICH's own copies go through small buffers for the same reason), where the bulk
-        path's whole-size window does not: at 16 MiB on 2 ranks the bulk path's working
-        set, buffers plus window, is 80 MiB against a 48 MiB cache. A slot is written again
-        two chunks later, after a flag every peer raised once done reading it.
-
-        It runs when every rank's header (read after the call's first sync) says it has
-        not lost its core lately: on a machine where other jobs take the cores, every
-        handshake may wait for a descheduled peer's time slice, 128 of them at 16 MiB
-        (measured: 270 ms against MPI's 12 ms), where the whole-size path waits at most
-        twice. A rank says so for ``_SLOW_CALLS`` calls after one whose handshakes waited
-        past the spin for more than a millisecond.
+        fold this rank's slice into its buffer and its result slot; flag 2; copy every
+        peer's result slice out. A slot is written again two chunks later, after a flag
+        every peer raised once done reading it.
         """
-        _, ins, res = self._pipe_win  # type: ignore[misc]
+        segs = self._pipe_win.segs  # type: ignore[union-attr]
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         self._waited = 0.0
-        step = _PIPE_CHUNK // dt.itemsize
-        slots = [[a[i * _PIPE_CHUNK:(i + 1) * _PIPE_CHUNK].view(dt) for a in ins]
-                 for i in (0, 1)]
-        half = len(res[0]) // 2
-        results = [[a[i * half:(i + 1) * half].view(dt) for a in res] for i in (0, 1)]
-        ufunc, avg = UFUNC[op], op is ReduceOp.AVG
-        tmp = np.empty(-(-step // n) + 1, dt) if n > 2 else None
+        step, part = _CHUNK // dt.itemsize, _part(_CHUNK, n)
+        slots = [[s[i * _CHUNK:(i + 1) * _CHUNK].view(dt) for s in segs] for i in (0, 1)]
+        results = [[s[2 * _CHUNK + i * part:2 * _CHUNK + (i + 1) * part].view(dt)
+                    for s in segs] for i in (0, 1)]
         for c0 in range(0, count, step):
             chunk = flat[c0:c0 + step]
-            size = chunk.size
-            base, extra = divmod(size, n)
-            b = [k * base + min(k, extra) for k in range(n + 1)]
+            b = _bounds(chunk.size, n)
             lo, hi = b[r], b[r + 1]
             self._pipe_chunks += 1
             k = self._pipe_chunks
             slot, out = slots[k % 2], results[k % 2]
             slot[r][:lo] = chunk[:lo]
-            slot[r][hi:size] = chunk[hi:]
+            slot[r][hi:chunk.size] = chunk[hi:]
             self._raise_and_wait(1, k, seq)
-            mine = chunk[lo:hi]
-            srcs = [mine if j == r else slot[j][lo:hi] for j in range(n)]
-            t = mine if tmp is None else tmp[:hi - lo]
-            ufunc(srcs[0], srcs[1], out=t)
-            for j in range(2, n):
-                ufunc(t, srcs[j], out=t)
-            if avg:
-                if dt.kind == "f":
-                    np.divide(t, n, out=t)
-                else:
-                    np.floor_divide(t, n, out=t)
-            if tmp is not None:
-                mine[...] = t
-            out[r][:hi - lo] = t
+            fold([chunk if j == r else slot[j] for j in range(n)], lo, hi, op, [out[r]],
+                 chunk[lo:hi])
             self._raise_and_wait(2, k, seq)
             for j in range(n):
                 if j != r:
@@ -522,46 +468,20 @@ class ShmAllReduce:
         if self._waited > _SLOW_WAIT_S:
             self._slow_left = _SLOW_CALLS
 
-    def _reduce_in_window(self, segs: list[np.ndarray], bounds: list[int], op: ReduceOp,
-                          win: Any, seq: int) -> None:
-        """The all-reduce when every rank's input is its own segment's data area.
-
-        Each rank folds its slice ``[lo, hi)`` and writes the result there in every
-        segment, its own and its peers' (only this rank reads or writes that slice of any
-        segment, each chunk read before it is written), then meets the others once: every
-        segment then holds the whole result, and no rank touches a peer's segment after
-        it, so each may write its own again (its next call, or its caller refilling the
-        buffer) at once. Per rank that is ``N`` read and ``N`` written, in one pass, and
-        two phase boundaries (the header's and this one). Measured, a 4 MiB bucket of 256
-        arrays on 2 ranks, concatenation included: 0.76x the time of folding in place and
-        then copying the peers' slices out (``N/n`` more read, a third boundary).
-        """
-        r = self.rank
-        lo, hi = bounds[r], bounds[r + 1]
-        fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
-             segs[r][lo:hi])
-        self._sync(win, seq)
-
     def free(self) -> list[Window]:
         """Free the windows and the node communicator (collective over the group).
 
         A lent area some rank still holds a view of (a graph result may live there) is not
-        unmapped under it: when any rank holds one, every rank keeps its lent windows and
-        returns them (the ranks agree first, freeing a window being collective); the
-        caller keeps them referenced until the process exits.
+        unmapped under it: then every rank keeps its lent windows and returns them (the
+        ranks agree first: freeing is collective); the caller keeps them referenced.
         """
-        held = np.array([self._lent.held()], np.int8)
+        held = np.array([any(h is not None and h() is not None
+                             for hs in self._held.values() for h in hs)], np.int8)
         self._node.Allreduce(self._MPI.IN_PLACE, held, self._MPI.MAX)
-        for w in self._windows.values():
+        lent = [w for ws in self._lent.values() for w in ws]
+        pipe = [] if self._pipe_win is None else [self._pipe_win]
+        for w in [*self._copy.values(), *([] if held[0] else lent), *pipe, self._flag]:
             w.free()
-        self._windows.clear()
-        kept = self._lent.free(keep=bool(held[0]))
-        if self._pipe_win is not None:
-            self._pipe_win[0].Unlock_all()
-            self._pipe_win[0].Free()
-            self._pipe_win = None
-            self._pipe_bytes = 0
-        self._flag_win.Unlock_all()
-        self._flag_win.Free()
+        self._copy, self._lent, self._held, self._pipe_win = {}, {}, {}, None
         self._node.Free()
-        return kept
+        return lent if held[0] else []

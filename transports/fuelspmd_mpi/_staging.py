@@ -1,24 +1,14 @@
 """GPU buffers on the MPI transport: passed straight to a CUDA-aware MPI, else staged.
 
-A buffer is a device buffer when it exposes ``__cuda_array_interface__`` (cupy, numba,
-torch's CUDA tensors); anything else (numpy, or a host array with only ``__dlpack__``) is
-never staged and goes through the transport's host path and checks as before.
-
-Whether the MPI library reads device memory itself is asked of the library, in this order:
-
-1. MPI 4.1's memory allocation kinds: ``mpi_memory_alloc_kinds`` in COMM_WORLD's info
-   lists ``cuda`` (MPICH >= 4.2 and Open MPI >= 5 report it when built with CUDA; the PyPI
-   ``mpich`` wheel reports "mpi,system");
-2. Open MPI: ``ompi_info --parsable --all`` says ``mpi_built_with_cuda_support:value:true``;
-3. MPICH: its configure line has ``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0.
-
-CUDA-aware: the device buffer is handed to MPI as it is (mpi4py reads
-``__cuda_array_interface__``), after the current stream is synchronised so MPI reads
-finished data. 16-bit float reductions are staged even then: the transport reduces them in
-a float32 host copy. Not CUDA-aware: each device buffer is copied into pinned host memory
-(cupy's pinned memory pool: page-locked, so the copy runs at full PCIe/NVLink-C2C speed),
-the transport runs the operation on the host copies, and when its Work completes the
-results are copied back to the device buffers (:class:`StagedWork`).
+A device buffer exposes ``__cuda_array_interface__`` (cupy, numba, torch's CUDA tensors);
+anything else takes the host path and its checks. Whether the MPI library reads device
+memory is asked of it, in order: MPI 4.1's ``mpi_memory_alloc_kinds`` lists ``cuda``; Open
+MPI's ``ompi_info`` says ``mpi_built_with_cuda_support:value:true``; MPICH was configured
+``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0. CUDA-aware: the buffer goes to MPI as
+it is once the current stream is synchronised (16-bit float reductions are staged even
+then: they are reduced in a float32 host copy). Otherwise the operation runs on pinned
+host copies (page-locked: copied at full link speed), and its Work copies the results back
+when it completes (:class:`StagedWork`).
 """
 
 from __future__ import annotations
@@ -47,9 +37,8 @@ def detect_cuda_aware(*, alloc_kinds: str | None, library_version: str,
                       ) -> tuple[bool, str]:
     """Decide from what the library reports whether it is CUDA-aware; return (answer, why).
 
-    ``alloc_kinds`` is COMM_WORLD's ``mpi_memory_alloc_kinds`` info value (None when the
-    library does not set it), ``library_version`` is ``MPI_Get_library_version``'s text,
-    ``ompi_info`` returns ``ompi_info --parsable --all``'s output (asked only for Open MPI).
+    ``alloc_kinds``: COMM_WORLD's ``mpi_memory_alloc_kinds`` (None when unset);
+    ``ompi_info``: returns ``ompi_info --parsable --all``'s output (asked of Open MPI only).
     """
     if alloc_kinds is not None:
         kinds = [k.strip().split(":")[0] for k in alloc_kinds.split(",")]
@@ -93,11 +82,8 @@ def cuda_aware(MPI: Any) -> tuple[bool, str]:
 
 
 class StagedWork:
-    """The Work of an operation run on host copies: on completion the copies go back.
-
-    ``copy_back`` runs once, when the inner Work is first seen complete (by ``test`` or
-    ``wait``), on the thread that saw it.
-    """
+    """The Work of an operation run on host copies: ``copy_back`` runs once, when the inner
+    Work is first seen complete (by ``test`` or ``wait``), on the thread that saw it."""
 
     __slots__ = ("_copy_back", "_inner")
 
@@ -146,14 +132,11 @@ def _copy_into(dev: Any, host: np.ndarray) -> None:
 
 def stage(method: Callable[..., Work], bufs: Sequence[Any], outs: Sequence[int],
           *extra: Any, op: str, aware: Callable[[], bool]) -> Work | None:
-    """Run ``method(*bufs, *extra)`` for device ``bufs``; None means "proceed as it is".
-
-    ``outs`` are the indices of the buffers the operation writes. Returns None for host
-    buffers (the caller goes on) and, when ``aware()`` (asked only for device buffers)
-    says the library is CUDA-aware, for device buffers too once their stream is
-    synchronised. Otherwise stages: returns a StagedWork. Raises
-    DeviceError for a buffer that is neither numpy nor a device array, and for a mix.
-    """
+    """Run ``method(*bufs, *extra)`` on host copies of device ``bufs`` (``outs``: the
+    indices of those it writes) and return its StagedWork; or None: "proceed as it is",
+    for host buffers and, when ``aware()`` (asked only for device buffers), for device
+    buffers once their stream is synchronised. DeviceError for a buffer that is neither
+    numpy nor a device array, and for a mix."""
     device = [is_device(b) for b in bufs]
     if not any(device):
         for b in bufs:

@@ -1,30 +1,17 @@
 """MPITransport: the Transport seam over one MPI communicator, through mpi4py's buffer API.
 
-Every operation is the non-blocking MPI call (Iallreduce, Iallgather,
-Ireduce_scatter_block, Ibcast, Ialltoall, Isend, Irecv, Ibarrier) wrapped in an
-:class:`~fuelspmd_mpi._work.MPIWork`, whose ``wait`` polls ``MPI_Test`` against a deadline:
-a rank that never joins gives CommTimeoutError, never a hang. Only the uppercase buffer
-methods are used (mpi4py's pickle API is 10x slower on arrays); all_reduce works in place
-(``MPI_IN_PLACE``). Buffers follow the layout in :mod:`fuelspmd.transport`; dtypes and
-reduce ops map onto MPI as :mod:`fuelspmd_mpi._work` describes.
-
-Each transport numbers the operations it starts (``seq``, from 0, collectives and
-point-to-point alike) so that a timeout names which one of the group's operations hung.
-The one exception to non-blocking: an all_reduce switched onto the shared-memory path
-(:meth:`MPITransport.set_all_reduce_policy`, :mod:`fuelspmd_mpi._shm`) runs to completion
-inside the call, its phase syncs polled under the same deadline; so does one switched onto
-the hierarchical path (node and rail splits, :mod:`fuelspmd_mpi._hier`), each of its three
-MPI steps waited under the deadline. Which path a size takes is the layer above's choice,
-from the cost model (``set_all_reduce_policy(algorithm="auto", planner=...)``,
-:meth:`MPITransport.explain_all_reduce`).
-
-GPU buffers (``__cuda_array_interface__``) reach MPI directly when the library is
-CUDA-aware and are staged through pinned host memory when it is not
-(:mod:`fuelspmd_mpi._staging`); only the slow path, never the numpy hot path, looks.
-
-Collectives on empty buffers complete at once without calling MPI (every rank of the
-group has the same, empty, sizes); sends and receives of 0 elements still go through MPI
-so that they match their peer's.
+Every operation is the non-blocking MPI call (Iallreduce, Iallgather, Ireduce_scatter_block,
+Ibcast, Ialltoall, Isend, Irecv, Ibarrier) in an :class:`~fuelspmd_mpi._work.MPIWork`, whose
+``wait`` polls against a deadline: a rank that never joins gives CommTimeoutError, never a
+hang. Only the uppercase buffer methods are used (the lowercase ones pickle arrays). Each
+transport numbers the operations it starts (``seq``) so that a timeout names the one that
+hung. An all_reduce that the route (:meth:`MPITransport.set_all_reduce_policy`, chosen by
+the layer above) sends through shared memory (:mod:`fuelspmd_mpi._shm`) or the node and
+rail splits (:mod:`fuelspmd_mpi._hier`) completes inside the call, each wait under the
+same deadline. GPU buffers go to a CUDA-aware MPI as they are, else through pinned host
+copies (:mod:`fuelspmd_mpi._staging`); only the slow path looks. Collectives on empty
+buffers complete without MPI (every rank has the same sizes); sends and receives of 0
+elements still go to MPI to match their peer.
 """
 
 from __future__ import annotations
@@ -55,6 +42,7 @@ from fuelspmd_mpi._work import MPIWork, Types, divide, local_reduce
 
 __all__ = ["MPITransport"]
 
+_MPI_ONLY = Route.of(manual_bands("mpi", 0, 0, "the default"))
 _COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different collective "
                     "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
@@ -69,11 +57,8 @@ _RECORD = 3 + INLINE // 8
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
-    """Whether ``buf`` surely passes check_buffers: a C-contiguous numpy array of a known dtype.
-
-    check_buffers costs ~4 us (a dtype lookup by name); this costs ~0.15 us. Anything else
-    goes through check_buffers, which raises the typed error, so the errors are its own.
-    """
+    """Whether ``buf`` surely passes check_buffers (a C-contiguous numpy array of a known
+    dtype), in a few attribute reads; anything else goes through check_buffers."""
     return type(buf) is _ndarray and buf.flags.c_contiguous and buf.dtype in move
 
 
@@ -113,7 +98,7 @@ class MPITransport:
         self._lend_for: dict[tuple[int, Any], bool] = {}  # (bytes, dtype) -> lent or not
         self._kept_windows: list[Any] = []  # lent windows still held at a free (_shm.free)
         self._hier: Hierarchical | None = None
-        self._route = Route(manual_bands("mpi", 0, 0, "the default"))
+        self._route = _MPI_ONLY
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
@@ -161,8 +146,8 @@ class MPITransport:
 
     def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...],
                 *extra: Any) -> Work | None:
-        """Non-numpy buffers: None to go on as they are (CUDA-aware MPI), the Work of the
-        operation run on pinned host copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
+        """Non-numpy buffers: None to go on (CUDA-aware MPI), the Work on pinned host
+        copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
         return stage(getattr(self, op), bufs, outs, *extra, op=op,
                      aware=lambda: self.cuda_aware[0])
 
@@ -177,15 +162,9 @@ class MPITransport:
             return self._staged(op, (send, recv), (1,), *extra)
         return None
 
-    # -- collectives ---------------------------------------------------------------------
-
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
-        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``).
-
-        Sizes that :meth:`set_all_reduce_policy` put on the shared-memory or hierarchical
-        path go through it instead and are complete when this returns (the Work is
-        already done).
-        """
+        """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``,
+        or the path the route gives its size: then complete on return)."""
         return self._all_reduce(buf, op, None)
 
     def all_reduce_checked(self, buf: Any, op: ReduceOp | str, check: Check) -> Work:
@@ -215,7 +194,7 @@ class MPITransport:
         if self.size == 1:
             return DONE
         route = self._route
-        algo = (route.algorithm(buf.nbytes) if route.routed and buf.nbytes > route.smallest
+        algo = (route.band(buf.nbytes).algorithm if buf.nbytes > route.smallest
                 and plan.stage is None else "mpi")
         if algo == "shm" and self._shm is not None and buf.dtype in SHM_DTYPES:
             if self._shm.all_reduce(buf, op, seq, check):
@@ -239,7 +218,7 @@ class MPITransport:
             return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size), buf)
         stage = buf.astype(plan.stage)
         req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "all_reduce", seq, self._unstage(stage, buf, plan.avg),
+        return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
     def _meet(self, check: Check, seq: int, buf: Any = None, op: ReduceOp | None = None,
@@ -284,24 +263,15 @@ class MPITransport:
                               nodes: Any = None) -> str:
         """Choose how all_reduce runs; return the choice ("mpi", "shm", "hierarchical", "auto").
 
-        Collective: every rank calls it with the same arguments (checked: ranks that differ
-        raise CollectiveMismatchError). The decision belongs to the layer above:
-
-        - ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`,
-          the calibrated cost model) gives the algorithm per size band, with the reason
-          (:meth:`explain_all_reduce`); a ``split`` plans its own group with the same
-          planner.
-        - ``"shm"``: float32/float64/int32/int64 all-reduces of ``min_bytes..max_bytes``
-          go through the shared-memory path (:mod:`fuelspmd_mpi._shm`), holding at most
-          ``cap_bytes`` of shared window per rank.
-        - ``"hierarchical"``: those sizes go through node and rail splits
-          (:mod:`fuelspmd_mpi._hier`); ``nodes`` (the node index of each group rank) splits
-          as a declared topology says, else MPI's shared-memory split finds the nodes.
-        - ``"mpi"``: MPI's own all-reduce; frees the windows and splits.
-
-        An algorithm that cannot apply here runs as MPI's own and says why (shm: ranks on
-        several nodes; hierarchical: one node, or nodes with unequal shares); a manual
-        choice then returns "mpi". A split starts with MPI's own unless the policy is auto.
+        Collective, with the same arguments on every rank (checked: CollectiveMismatchError).
+        ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`)
+        gives the algorithm per size band with the reason, and a ``split`` plans its group
+        with it too; ``"shm"`` or ``"hierarchical"``: that path for ``min_bytes..max_bytes``
+        (shm: float32/float64/int32/int64, at most ``cap_bytes`` of window per rank;
+        hierarchical: split by ``nodes``, each rank's node index, else by shared memory);
+        ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot apply runs
+        MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then returns
+        "mpi". A split starts with MPI's own unless the policy is auto.
         """
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
@@ -335,86 +305,60 @@ class MPITransport:
         self._free_shm()
         self._planner = planner if auto else None
         self._cap = int(cap_bytes)
-        route = Route(bands)
         if self.size == 1:
-            self._route = Route([(u, "mpi", "one rank: nothing to reduce") for u, _, _ in bands])
+            self._route = Route.of(b._replace(algorithm="mpi", reason="one rank: nothing to "
+                                              "reduce") for b in bands)
             return "auto" if auto else "mpi"
-        if "shm" in route.algos:
+        route = Route.of(bands)
+        if "shm" in route.algorithms:
             self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
                                             timeout=self.timeout, late=self._shm_late)
             if self._shm is None:
-                route = route.replace("shm", "does not apply: the ranks do not all share "
+                route = route.without("shm", "does not apply: the ranks do not all share "
                                       "memory (a split per node can use it)")
-        if "hierarchical" in route.algos:
+        if "hierarchical" in route.algorithms:
             self._hier = Hierarchical.create(self._comm, MPI=self._MPI, owner=self,
                                              nodes=nodes)
             if self._hier is None:
-                route = route.replace("hierarchical", "does not apply: the group is on one "
+                route = route.without("hierarchical", "does not apply: the group is on one "
                                       "node, or its nodes hold different numbers of its ranks")
         self._route = route
         if auto:
             return "auto"
-        return algorithm if algorithm in route.algos else "mpi"
+        return algorithm if algorithm in route.algorithms else "mpi"
+
+    def _choose(self, nbytes: int, dtype: Any) -> tuple[str, str]:
+        """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
+        if self.size == 1:
+            return "mpi", f"all_reduce of {nbytes} B: nothing to do (one rank)"
+        algo, text, shm = self._route.band(nbytes).algorithm, self._route.explain(nbytes), self._shm
+        if algo == "shm" and shm is not None and not shm.fits(nbytes):
+            return "mpi", (f"{text}; but its window ({size_class(nbytes)} B per rank) is above "
+                           f"the cap of {shm.cap_bytes} B per rank, so MPI's own runs it"
+                           + (f" ({shm.cap_note})" if shm.cap_note else ""))
+        if algo != "mpi" and dtype is not None:
+            dt = np.dtype(dtype)
+            if (self._types.reduce_as.get(dt, (None, None))[1] is not None
+                    or (algo == "shm" and dt not in SHM_DTYPES)):
+                return "mpi", f"{text}; but {dt.name} runs MPI's own (that path does not " \
+                              "reduce it)"
+        return algo, text
 
     def all_reduce_algorithm(self, nbytes: int, dtype: Any = None) -> str:
         """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs: mpi, shm or
         hierarchical (a dtype those paths do not reduce, float16 say, runs MPI's own)."""
-        algo = self._route.algorithm(int(nbytes)) if self.size > 1 else "mpi"
-        if algo == "shm" and self._shm is not None and not self._shm.fits(int(nbytes)):
-            return "mpi"  # its window would not fit under the cap
-        if algo != "mpi" and dtype is not None:
-            dt = np.dtype(dtype)
-            if (self._types.plan(dt, ReduceOp.SUM, "all_reduce").stage is not None
-                    or (algo == "shm" and dt not in SHM_DTYPES)):
-                return "mpi"
-        return algo
+        return self._choose(int(nbytes), dtype)[0]
 
     def explain_all_reduce(self, nbytes: int, dtype: Any = None) -> str:
         """Say which algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
-        if self.size == 1:
-            return f"all_reduce of {int(nbytes)} B: nothing to do (one rank)"
-        text = self._route.explain(int(nbytes))
-        shm = self._shm
-        if (self._route.algorithm(int(nbytes)) == "shm" and shm is not None
-                and not shm.fits(int(nbytes))):
-            return (f"{text}; but its window ({size_class(int(nbytes))} B per rank) is above "
-                    f"the cap of {shm.cap_bytes} B per rank, so MPI's own runs it"
-                    + (f" ({shm.cap_note})" if shm.cap_note else ""))
-        if self.all_reduce_algorithm(nbytes, dtype) != self._route.algorithm(int(nbytes)):
-            text += f"; but {np.dtype(dtype).name} runs MPI's own (that path does not " \
-                    "reduce it)"
-        return text
-
-    def shared_buffer(self, nbytes: int) -> np.ndarray:
-        """Return ``nbytes`` (uint8) that an all_reduce can take without copying them in.
-
-        Collective when the shm policy is on (it may allocate a window; every rank passes
-        the same ``nbytes``): the view lies at the start of this rank's segment of the
-        shared window, so ``all_reduce(buf.view(dtype).reshape(shape))`` of those bytes
-        skips the copy in. Without the shm path (policy off, several nodes) it is a plain
-        array. Valid until :meth:`finalize` or the next ``set_all_reduce_policy``.
-        """
-        if self._shm is None:
-            return np.empty(int(nbytes), np.uint8)
-        if not self._shm.lends(int(nbytes)):  # the class's first call: it allocates
-            # MPI's window allocation waits with no deadline: agree on the size first
-            agree(self, f"shared_buffer on {self.describe()}", timeout=self.timeout,
-                  size_class=size_class(int(nbytes)))
-        return self._shm.shared_buffer(int(nbytes))
+        return self._choose(int(nbytes), dtype)[1]
 
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
-        """A free lent shared area (uint8, at least ``nbytes``) for an all_reduce of
-        ``nbytes`` of ``dtype`` to take as its buffer (the ``lend`` capability), or None:
-        when this transport would not reduce it in shared memory (another algorithm for
-        the size, a dtype the shm path leaves to MPI), or when its size class has no free
-        area yet.
-
-        An all_reduce input copied into it, or produced there, is reduced where it lies,
-        and its result stays there. Local: a class with no free area (the first call of a
-        size, or every area held) asks for one, and the class's next all_reduce adds it
-        on every rank, after its header sync, within the cap. Allocating a window is
-        collective, and only there do the ranks know they are all in one call of one size.
-        """
+        """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes``
+        of ``dtype`` is reduced as it lies (the ``lend`` capability), or None: another path
+        for that size or dtype, or no free area yet. Local: a class without a free area asks
+        for one, and its next all_reduce adds it on every rank after the header sync, where
+        all ranks are in one call of one size (:mod:`fuelspmd_mpi._shm`)."""
         key = (nbytes, dtype)
         ok = self._lend_for.get(key)
         if ok is None:
@@ -422,11 +366,11 @@ class MPITransport:
                   and self.all_reduce_algorithm(nbytes, dtype) == "shm")
             if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
                 self._lend_for[key] = ok
-        return self._shm.lent_area(nbytes) if ok else None  # type: ignore[union-attr]
+        return self._shm.lend(nbytes) if ok else None  # type: ignore[union-attr]
 
     def lent(self, buf: Any) -> bool:
         """Whether ``buf`` lies in one of this transport's lent areas (see :meth:`lend`)."""
-        return self._shm is not None and type(buf) is _ndarray and self._shm.lent_holds(buf)
+        return self._shm is not None and type(buf) is _ndarray and self._shm.lent(buf)
 
     @property
     def shared_window_bytes(self) -> int:
@@ -447,15 +391,19 @@ class MPITransport:
         if self._hier is not None:
             self._hier.free()
             self._hier = None
-        self._route = Route(manual_bands("mpi", 0, 0, "the default"))
+        self._route = _MPI_ONLY
 
-    def _unstage(self, stage: np.ndarray, out: Any, avg: bool) -> Any:
+    def _finish(self, result: np.ndarray, out: Any, avg: bool) -> Callable[[], None] | None:
+        """What completes a reduction into ``result``: avg's division, then the copy into
+        ``out`` when ``result`` is a float32 stage (one rounding to the 16-bit type)."""
         size = self.size
+        if result is out:
+            return (lambda: divide(out, size)) if avg else None
 
         def finish() -> None:
             if avg:
-                np.divide(stage, size, out=stage)
-            out.reshape(-1)[...] = stage.reshape(-1)
+                np.divide(result, size, out=result)
+            out.reshape(-1)[...] = result.reshape(-1)
 
         return finish
 
@@ -472,18 +420,12 @@ class MPITransport:
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return DONE
-        if plan.stage is None:
-            req = self._comm.Ireduce_scatter_block([send, plan.datatype], [recv, plan.datatype],
-                                                   plan.mpi_op)
-            size = self.size
-            finish = (lambda: divide(recv, size)) if plan.avg else None
-            return MPIWork(req, self, "reduce_scatter", seq, finish, (send, recv))
-        stage_send = send.astype(plan.stage)
-        stage = np.empty(recv.size, plan.stage)
-        req = self._comm.Ireduce_scatter_block([stage_send, plan.datatype],
-                                               [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "reduce_scatter", seq, self._unstage(stage, recv, plan.avg),
-                       (stage_send, stage, recv))
+        src, dst = ((send, recv) if plan.stage is None
+                    else (send.astype(plan.stage), np.empty(recv.size, plan.stage)))
+        req = self._comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
+                                               plan.mpi_op)
+        return MPIWork(req, self, "reduce_scatter", seq, self._finish(dst, recv, plan.avg),
+                       (src, dst, recv))
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
@@ -499,8 +441,7 @@ class MPITransport:
         seq = self._next()
         if buf.size == 0 or self.size == 1:
             return DONE
-        t = self._types
-        req = self._comm.Ibcast([t.view(buf), t.move[buf.dtype]], root=int(root))
+        req = self._comm.Ibcast(self._types.spec(buf), root=int(root))
         return MPIWork(req, self, f"broadcast(root={root})", seq, keep=buf)
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
@@ -519,10 +460,8 @@ class MPITransport:
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return DONE
-        t = self._types
-        dt = t.move[send.dtype]
-        return MPIWork(start([t.view(send), dt], [t.view(recv), dt]), self, op, seq,
-                       keep=(send, recv))
+        spec = self._types.spec
+        return MPIWork(start(spec(send), spec(recv)), self, op, seq, keep=(send, recv))
 
     def barrier(self) -> Work:
         """Complete once every rank of the group has entered the barrier."""
@@ -531,43 +470,34 @@ class MPITransport:
             return DONE
         return MPIWork(self._comm.Ibarrier(), self, "barrier", seq)
 
-    # -- point to point ------------------------------------------------------------------
+    def send(self, buf: Any, peer: int, tag: int) -> Work:
+        """Send ``buf`` to ``peer`` (a rank of this group) with ``tag``."""
+        return self._p2p("send", buf, peer, tag)
 
-    def _check_p2p(self, op: str, buf: Any, peer: int, tag: int) -> Work | None:
+    def recv(self, buf: Any, peer: int, tag: int) -> Work:
+        """Receive into ``buf`` from ``peer`` with ``tag``; the sender's size must match."""
+        return self._p2p("recv", buf, peer, tag)
+
+    def _p2p(self, op: str, buf: Any, peer: int, tag: int) -> Work:
         check_peer(op, peer, self.size)
         if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= self.tag_bound:
             raise ConfigError(f"{op}: tag {tag!r} is outside 0..{self.tag_bound}, the tags this "
                               f"MPI library allows; use a smaller non-negative tag")
         if not _plain(buf, self._move):
             check_buffers(op, self.size, buf)
-            return self._staged(op, (buf,), (0,) if op == "recv" else (), peer, tag)
-        return None
-
-    def send(self, buf: Any, peer: int, tag: int) -> Work:
-        """Send ``buf`` to ``peer`` (a rank of this group) with ``tag``."""
-        if (staged := self._check_p2p("send", buf, peer, tag)) is not None:
-            return staged
-        t = self._types
-        req = self._comm.Isend([t.view(buf), t.move[buf.dtype]], dest=int(peer), tag=int(tag))
-        return MPIWork(req, self, ("send", int(peer), int(tag)), self._next(), keep=buf)
-
-    def recv(self, buf: Any, peer: int, tag: int) -> Work:
-        """Receive into ``buf`` from ``peer`` with ``tag``; the sender's size must match."""
-        if (staged := self._check_p2p("recv", buf, peer, tag)) is not None:
-            return staged
-        t = self._types
-        req = self._comm.Irecv([t.view(buf), t.move[buf.dtype]], source=int(peer), tag=int(tag))
-        return MPIWork(req, self, ("recv", int(peer), int(tag)), self._next(), keep=buf)
-
-    # -- groups and teardown -------------------------------------------------------------
+            if (staged := self._staged(op, (buf,), (0,) if op == "recv" else (), peer,
+                                       tag)) is not None:
+                return staged
+        start = self._comm.Isend if op == "send" else self._comm.Irecv
+        req = start(self._types.spec(buf), int(peer), int(tag))
+        return MPIWork(req, self, (op, int(peer), int(tag)), self._next(), keep=buf)
 
     def split(self, color: int, key: int) -> MPITransport:
         """Return the transport of the ranks that pass the same ``color``, ordered by ``key``.
 
-        ``MPI_Comm_split`` blocks until every rank of the group calls it, so the colors are
-        first all-gathered under the deadline: a rank that never calls split gives
-        CommTimeoutError here instead of a hang inside MPI.
-        """
+        ``MPI_Comm_split`` waits for every rank with no deadline, so the colors are first
+        all-gathered under the transport's: a rank that never calls split gives
+        CommTimeoutError here, not a hang inside MPI."""
         for name, v, lo in (("color", color, 0), ("key", key, -(2**31))):
             if not isinstance(v, (int, np.integer)) or not lo <= v < 2**31:
                 raise ConfigError(f"split: {name} must be an integer in {lo}..2**31-1, "
@@ -584,14 +514,10 @@ class MPITransport:
         return child
 
     def finalize(self) -> None:
-        """Release this transport: shared windows and a split's communicator are freed.
-
-        Collective over the group when either is held.
-
-        The world's MPI stays initialised until the process exits (mpi4py calls
-        MPI_Finalize then), since MPI cannot be initialised twice: a later ``fs.init()``
-        builds a fresh transport over the same COMM_WORLD.
-        """
+        """Free the shared windows and a split's communicator (collective when either is
+        held). MPI itself stays initialised until the process exits (mpi4py finalizes it
+        then): it cannot be initialised twice, and a later ``fs.init()`` builds a fresh
+        transport over the same COMM_WORLD."""
         self._free_shm()
         MPI = self._MPI
         comm = self._comm

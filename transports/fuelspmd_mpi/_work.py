@@ -1,23 +1,16 @@
 """How fuelspmd dtypes and reduce ops map onto MPI, and the Work over an MPI request.
 
-Moving bytes (all_gather, broadcast, all_to_all, send, recv) never looks at the values:
-float16 and bfloat16 travel as ``MPI_UINT16_T`` bit patterns (numpy cannot export a
-bfloat16 buffer, so it is viewed as uint16 first), the other types as their own MPI type.
+Moving bytes never looks at the values: float16 and bfloat16 travel as ``MPI_UINT16_T``
+bit patterns (numpy cannot export bfloat16, so it is viewed as uint16), the others as
+their own MPI type. Reducing:
 
-Reductions need arithmetic MPI may not have:
-
-- float32, float64, int32, int64: MPI's own SUM, PROD, MIN, MAX on FLOAT, DOUBLE,
-  INT32_T, INT64_T, into the caller's buffer (``MPI_IN_PLACE`` for all_reduce).
-- float16, bfloat16: MPI has no portable 16-bit float type, so the buffer is upcast to a
-  float32 copy, reduced by MPI in float32, and rounded back once to the 16-bit type
-  (round to nearest even). Partial results keep float32's 24-bit significand, so there is
-  one 16-bit rounding instead of one per step; MPI hands every rank the same float32
-  result (MPICH does; the standard recommends it), so every rank rounds to the same value.
+- float32, float64, int32, int64: MPI's own SUM, PROD, MIN, MAX, in the caller's buffer.
+- float16, bfloat16: MPI has no portable 16-bit float, so a float32 copy is reduced and
+  rounded back once (to nearest even): one 16-bit rounding instead of one per step, the
+  same on every rank since MPI hands every rank the same float32 result.
 - bool: MPI's logical ops on ``MPI_C_BOOL``: sum and max are OR, prod and min are AND.
-- avg is SUM followed by a division by the group size on every rank: in the float type
-  (float32 for the 16-bit types, before rounding); for int32/int64 it is floor division
-  (numpy's ``//``, rounding toward minus infinity); for bool it is refused (DTypeError),
-  as the mean of booleans is not a boolean.
+- avg: SUM, then division by the group size on every rank (in float32 for the 16-bit
+  types, before rounding; floor division for integers); refused for bool (DTypeError).
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import ctypes
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -34,70 +27,67 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["MPIWork", "ReducePlan", "Types", "local_reduce"]
+__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce", "spin"]
 
-# A wait polls MPI_Test in bursts of this many calls between two reads of the clock: a
-# small collective completes within a few, so 8 B latency stays at raw MPI's.
-_BURST = 64
-# After this long a wait yields the core between bursts, as MPI libraries' blocking waits
-# do after some polls. A spinning rank otherwise keeps the core its peer (or another
-# process: these machines are shared) needs for a whole time slice. Measured interleaved,
-# 1 MiB all_reduce at 2 ranks on 2 busy cores: 0.75 ms yielding after 10 us, 2.8 ms after
-# 1 ms (blocking MPI: 0.61 ms); at 3 ranks, 8 B: 0.66 ms against 2.6 ms. A wait that ends
-# within its first 65 polls (most small collectives) never yields.
-_YIELD_AFTER_S = 1e-5
+_BURST = 64  # polls between two reads of the clock: a small collective ends within a few
+_YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
+UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+          ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
 
-class ReducePlan:
+class ReducePlan(NamedTuple):
     """How one (dtype, op) pair is reduced: MPI type and op, and an optional float32 stage."""
 
-    __slots__ = ("avg", "datatype", "mpi_op", "stage")
-
-    def __init__(self, datatype: Any, mpi_op: Any, stage: np.dtype | None, avg: bool) -> None:
-        self.datatype, self.mpi_op, self.stage, self.avg = datatype, mpi_op, stage, avg
+    datatype: Any
+    mpi_op: Any
+    stage: np.dtype | None
+    avg: bool
 
 
 class Types:
-    """The MPI datatypes and reduce plans of one MPI library, built once per transport."""
+    """The MPI datatypes and reduce plans of one MPI library, built once per transport.
+
+    A plan is a table lookup: ``reduce_as`` gives the MPI type a dtype is reduced in and
+    its stage (the 16-bit floats: float32), ``ops`` the MPI op per ReduceOp for numbers
+    and for bool (logical or / and).
+    """
 
     def __init__(self, MPI: Any) -> None:
         self.MPI = MPI
-        u16 = MPI.UINT16_T
+        u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
         self.bf16 = to_numpy(bfloat16)
         self.move: dict[np.dtype, Any] = {
             np.dtype(np.float16): u16, self.bf16: u16,
-            np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+            f32: MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
             np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
             np.dtype(np.bool_): MPI.C_BOOL,
         }
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MIN: MPI.MIN,
-                     ReduceOp.MAX: MPI.MAX, ReduceOp.AVG: MPI.SUM}
-        self._bool_ops = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
-                          ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}
+        self.reduce_as = {dt: (MPI.FLOAT, f32) if dt.itemsize == 2 else (mt, None)
+                          for dt, mt in self.move.items()}
+        self.ops = {False: {ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD,
+                            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                            ReduceOp.AVG: MPI.SUM},
+                    True: {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR,
+                           ReduceOp.PROD: MPI.LAND, ReduceOp.MIN: MPI.LAND}}
         # by op name, then dtype: hashing a (dtype, op) tuple, or an Enum member (its
-        # __hash__ is Python code), costs 0.2-0.3 us on every call
+        # __hash__ is Python code), costs more than the rest of a small call's bookkeeping
         self.plans: dict[str, dict[np.dtype, ReducePlan]] = {op.value: {} for op in ReduceOp}
 
-    def view(self, buf: Any) -> Any:
-        """Return ``buf`` in a form MPI can read: bfloat16 as its uint16 bits."""
-        return buf.view(np.uint16) if buf.dtype == self.bf16 else buf
+    def spec(self, buf: Any) -> list[Any]:
+        """``buf`` as MPI moves it, unreduced: [buffer, MPI type], bfloat16 as uint16 bits."""
+        return [buf.view(np.uint16) if buf.dtype == self.bf16 else buf, self.move[buf.dtype]]
 
     def plan(self, dt: np.dtype, op: ReduceOp, where: str) -> ReducePlan:
         """Return the reduce plan of ``dt`` and ``op``; DTypeError for avg over bool."""
         found = self.plans[op.value].get(dt)
-        if found is not None:
-            return found
-        avg = op is ReduceOp.AVG
-        if dt == np.bool_:
-            if avg:
+        if found is None:
+            logical = dt == np.bool_
+            if logical and op is ReduceOp.AVG:
                 raise DTypeError(f"{where}: avg is not defined for bool buffers; use 'sum' "
                                  f"(logical or) or 'prod' (logical and), or cast to a number")
-            found = ReducePlan(self.MPI.C_BOOL, self._bool_ops[op], None, False)
-        elif dt.itemsize == 2:  # float16, bfloat16: reduce in float32
-            found = ReducePlan(self.MPI.FLOAT, self._ops[op], np.dtype(np.float32), avg)
-        else:
-            found = ReducePlan(self.move[dt], self._ops[op], None, avg)
-        self.plans[op.value][dt] = found
+            datatype, stage = self.reduce_as[dt]
+            found = self.plans[op.value][dt] = ReducePlan(
+                datatype, self.ops[logical][op], stage, op is ReduceOp.AVG)
         return found
 
 
@@ -117,51 +107,64 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
         ufunc.reduce(parts, axis=0, out=out)
     elif plan.stage is None:
-        _UFUNCS[op].reduce(parts, axis=0, out=out)
+        UFUNCS[op].reduce(parts, axis=0, out=out)
         if plan.avg:
             divide(out, parts.shape[0])
     else:
-        wide = _UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
+        wide = UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide
 
 
-_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
+def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
+         watch: Callable[[], None] | None = None, spin_s: float = _YIELD_AFTER_S) -> float:
+    """Poll ``done()`` until it holds; return the seconds waited when past ``spin_s``, else 0.
+
+    The one wait of this package (MPI requests, the shm syncs). It never sleeps, unlike
+    :func:`fuelspmd.transport.poll_until`: MPI progresses a non-blocking collective only
+    inside MPI calls, so a rank asleep between two polls stalls its peers too. It reads the
+    clock once per ``_BURST`` polls; past ``spin_s`` it yields the core between bursts (a
+    spinning rank keeps the core its peer, or another job, needs for a time slice); it
+    calls ``watch()`` every ``WATCH_S``, and raises CommTimeoutError(``late(limit)``)
+    ``limit`` seconds after it began.
+    """
+    clock = time.monotonic
+    start = clock()
+    deadline, watched = start + limit, start + WATCH_S
+    while True:
+        for _ in range(_BURST):
+            if done():
+                now = clock()
+                return now - start if now - start > spin_s else 0.0
+        now = clock()
+        if now > deadline:
+            raise CommTimeoutError(late(limit))
+        if watch is not None and now > watched:
+            watch()
+            watched = clock() + WATCH_S
+        if now - start > spin_s:
+            os.sched_yield()
 
 
 class MPIWork:
-    """A started MPI operation: ``test`` polls it, ``wait`` polls it against a deadline.
+    """A started MPI operation: ``test`` polls it, ``wait`` spins on it (:func:`spin`).
 
-    ``wait`` never sleeps (unlike :func:`fuelspmd.transport.poll_until`, which backs off to
-    1 ms sleeps): MPI progresses a non-blocking collective only inside MPI calls, so a rank
-    asleep between two ``MPI_Test`` stalls its peers too. Measured at 2 ranks on 2 busy
-    cores, the sleeping poll made an 8 B all_reduce take 0.4 ms instead of 5 us. It polls
-    continuously, as MPI's own blocking calls do, reads the clock every 64 polls for the
-    deadline, and after 10 us yields the core between bursts, so a rank sharing a core
-    with its peer lets it run.
-
-    ``finish`` runs once, on the rank's own thread, when the request completes (it copies a
-    float32 stage back, or divides for avg). ``owner.explain(op, seq, peer, tag)`` names
-    the operation and says who failed to join, for the CommTimeoutError message; it is
-    called only on the slow path, so starting a Work costs a few attribute stores. After
-    a timeout the request is still posted: the Work can be waited on again, and a receive
-    can be withdrawn with :meth:`cancel`.
+    ``finish`` runs once, on the rank's own thread, when the request completes (a float32
+    stage copied back, the division of avg). ``keep`` holds the buffers MPI reads and
+    writes until then: a caller may pass a temporary. ``owner.explain(op, seq)`` words the
+    CommTimeoutError, on the slow path only, so starting a Work costs a few stores. After a
+    timeout the request is still posted: the Work can be waited on again, and a receive
+    withdrawn with :meth:`cancel`.
     """
 
     __slots__ = ("_finish", "_keep", "_op", "_owner", "_req", "_seq")
 
     def __init__(self, req: Any, owner: Any, op: str | tuple[str, int, int], seq: int,
                  finish: Callable[[], None] | None = None, keep: Any = None) -> None:
-        # a few stores and no more: this runs on every operation (``op`` is a name, or
-        # (name, peer, tag) for send/recv); ``_req is None`` marks a completed Work.
-        # ``keep`` holds the buffers MPI reads and writes until the request completes: a
-        # caller may pass a temporary (``t.all_reduce(np.array(x), op)``) and MPI must not
-        # write into freed memory
-        self._req = req
+        self._req = req  # None once complete
         self._owner = owner
-        self._op = op
+        self._op = op  # a name, or (name, peer, tag) for send and recv
         self._seq = seq
         self._finish = finish
         self._keep = keep
@@ -205,35 +208,16 @@ class MPIWork:
              watch: Callable[[], None] | None = None) -> None:
         """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's).
 
-        ``watch``, when given, is called every ``WATCH_S`` of the wait: a wait inside a
-        transport call (the hierarchical all-reduce's steps) lets the collective guard
-        read its streams there, as its own waits do between slices."""
+        ``watch`` is called every ``WATCH_S`` of the wait: inside a transport call (the
+        hierarchical all-reduce's steps) the collective guard reads its streams there."""
         req = self._req
         if req is None:
             return
-        test = req.Test
         try:
-            if test():  # a small operation usually ends here
-                self._complete()
-                return
-            limit = self._owner.timeout if timeout is None else timeout
-            clock = time.monotonic
-            start = clock()
-            deadline = start + limit
-            watched = start + WATCH_S
-            while True:
-                for _ in range(_BURST):
-                    if test():
-                        self._complete()
-                        return
-                now = clock()
-                if now > deadline:
-                    raise CommTimeoutError(self._late(limit))
-                if watch is not None and now > watched:
-                    watch()
-                    watched = clock() + WATCH_S
-                if now - start > _YIELD_AFTER_S:
-                    os.sched_yield()
+            if not req.Test():  # a small operation usually ends here
+                spin(req.Test, self._owner.timeout if timeout is None else timeout,
+                     self._late, watch)
+            self._complete()
         except self._owner.mpi_error as e:
             raise self._error(e) from e
 

@@ -205,8 +205,9 @@ def test_bad_configuration_is_refused() -> None:
 def test_ranks_that_build_different_executors_are_named() -> None:
     def body(comm: fs.Communicator) -> str:
         with pytest.raises(CollectiveMismatchError) as e:
-            PipelineExecutor(schedule("gpipe", 2, 2), comm=comm, stages=[_linear],
-                             params=[[np.eye(3)]], loss=P.mse, recompute=comm.rank == 1)
+            PipelineExecutor(schedule("gpipe", 2, 2), comm=comm,
+                             stages=[_Linear(np.eye(3), comm.device)], loss=P.mse,
+                             recompute=comm.rank == 1)
         return str(e.value)
 
     for text in DeviceGroup.cpu(2, timeout=TIMEOUT).run(body):

@@ -1,6 +1,7 @@
 """``LocalTransport``: the in-process Transport of a :class:`~fuelspmd.DeviceGroup`.
 
-Layer 4 (a transport, so imports errors, backend and transport only). Peers are threads of
+Layer 5, with the group it serves; a transport, so it imports errors, backend and transport
+only. Peers are threads of
 one process. Matching: the group numbers each member's collectives in issue order (the
 Communicator's token chain makes issue order creation order). Collective ``k`` of every
 member meets in one slot; the last to arrive checks that all agree on op, shape, dtype,

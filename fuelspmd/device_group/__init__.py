@@ -1,13 +1,13 @@
 """``DeviceGroup``: one process, several devices, the same SPMD program (layer 5).
 
-Built on an in-process Transport (:class:`fuelspmd.comm.local.LocalTransport`), so the very
-same :class:`~fuelspmd.comm.Communicator` code serves ``mpiexec`` and a device group: a
+Built on an in-process Transport (:class:`~fuelspmd.device_group.transport.LocalTransport`),
+so the very same :class:`~fuelspmd.comm.Communicator` code serves ``mpiexec`` and a group: a
 strategy cannot tell the difference, which is invariant 6 by construction (rather than
 direct multi-device graph nodes, which would be a second implementation of every
 collective). :meth:`DeviceGroup.run` calls ``fn(comms[i], args...)`` for each device in its
 own thread, so a program that realises mid-way (prints a loss) works as it does under
 ``mpiexec``. How collectives meet, the shared all_reduce result, host staging between
-libraries and the errors naming missing devices are in :mod:`fuelspmd.comm.local`.
+libraries and the errors naming missing devices are in :mod:`fuelspmd.device_group.transport`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from fuelspmd.backend import Device, parse_devices
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm import Communicator
-from fuelspmd.comm.local import LocalTransport, local_group
+from fuelspmd.device_group.transport import LocalTransport, local_group
 from fuelspmd.errors import (
     CollectiveMismatchError,
     CommTimeoutError,

@@ -318,8 +318,13 @@ class Guard:
         theirs, bye = note[4:4 + FP_LEN], note[0] == _BYE
         mine, r = self._encoded(), self.rank
         q_op, my_op = int(theirs[OP]), int(mine[OP])
-        if int(theirs[CSEQ]) < int(mine[CSEQ]) and not bye:
-            return  # stale: q has since passed the collective this rank passed
+        gap = int(theirs[CSEQ]) - int(mine[CSEQ])
+        if not bye and (gap < 0 or (gap > 0 and my_op not in (SEND, RECV))):
+            # behind: a stale note (q has since passed the collective this rank passed);
+            # ahead: q finished the collective this rank waits in (a broadcast's root, or
+            # any rank whose share arrived, may finish early), which every rank compared
+            # before it moved data; q's own next one is compared when this rank gets there
+            return
         my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
         gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} "
                 f"{_text(note) or 'finished normally'} (its guard said bye) after issuing"

@@ -255,9 +255,8 @@ def _startup_deadline(info: LaunchInfo, timeout: float) -> Iterator[None]:
 
     ``MPI_Init`` waits for every rank of the job and has no deadline of its own: a rank
     that fails before it calls ``fs.init()`` (an import error, a bad argument on one rank)
-    leaves the others in it for ever. Hydra does not end them (measured: a rank exiting
-    with status 1 before MPI_Init left the other blocked until killed 90 s later; Open
-    MPI's mpirun ended the job in 0.4 s). ``MPI_Init`` holds the GIL, so no Python thread
+    leaves the others in it for ever: MPICH's Hydra does not end them (Open MPI's mpirun
+    does). ``MPI_Init`` holds the GIL, so no Python thread
     or signal handler can run meanwhile: faulthandler's C watchdog thread does the work.
     When the deadline passes it prints every thread's stack (the main thread's ends in
     ``_start_transport``, naming where it waited) and exits the process with status 1; the
@@ -305,8 +304,8 @@ def _share_cores(local_size: int) -> int | None:
 
     Every BLAS starts one thread per core in every process, so ``local_size`` ranks on a
     node run ``local_size`` x cores threads that preempt each other inside every matmul
-    (measured: a 2-rank tensor-parallel step on 2 cores ran 15x slower than with one
-    thread per rank). torchrun sets OMP_NUM_THREADS=1 for the same reason; here a rank
+    (a step's every matmul waits for the slowest of threads that share cores). torchrun
+    sets OMP_NUM_THREADS=1 for the same reason; here a rank
     gets ``cores // local_size`` threads (at least 1). A thread count the user set in the
     environment wins, and a single rank per node is left alone. Returns the limit, or None.
     """

@@ -61,8 +61,8 @@ TERMINATED = 143  # 128 + SIGTERM
 # reaches: MPICH's per-node segments and Open MPI's per-process ones
 _SEGMENT_PREFIXES = ("mpich_shm_", "mpich_vci_", "sm_segment.")
 _WATCH_EVERY_S = 0.5  # how often a rank looks at its same-node peers' processes
-# a peer found dead is left this long to the launcher (which reports and kills the job in
-# 0.1-0.4 s where it does: measured in docs/reliability.md) before the watch aborts
+# a peer found dead is left this long to the launcher (which reports and kills the job
+# within a fraction of a second where it does: docs/reliability.md) before the watch aborts
 _LAUNCHER_GRACE_S = 3.0
 
 

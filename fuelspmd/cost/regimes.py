@@ -19,8 +19,8 @@ a model and not a table of the points.
 Ranks beyond the cores: when more ranks are busy than a node has cores, a message waits
 for its receiver to be scheduled, and how long depends on how crowded the node is, in no
 simple law (on 2 cores, 3 ranks can wait longer per message than 4: the scheduler pairs
-4 ranks more evenly than 3). So ``crowded`` holds the per-message latency measured at each
-ranks-per-core ratio the calibration saw; between
+4 ranks more evenly than 3). So ``crowded`` holds the per-message latency the calibration
+found at each ranks-per-core ratio it ran; between
 them it is interpolated, beyond the last scaled by the ranks beyond the cores, below the
 first likewise. The copy and reduce rates shrink by ``cores / busy``
 (:meth:`fuelspmd.topology.Node.crowding`).

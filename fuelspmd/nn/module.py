@@ -1,8 +1,10 @@
 """``Module``: parameters and submodules found from attributes, named by their path.
 
-A Module's parameters are the :class:`Parameter` attributes it holds, directly, in lists or
-tuples, or in submodules (``Module`` attributes, lists or tuples of them), in the order the
-attributes were first set; ``named_parameters`` names each by its dotted path
+A Module's parameters are the :class:`Parameter` attributes it holds, directly, in lists,
+tuples or str-keyed dicts, or in submodules (``Module`` attributes, lists, tuples or dicts of
+them), in the order the attributes were first set; a dict names its items by their keys, so
+a pipeline stage holding blocks 4-7 of a model as ``{"4": b4, ...}`` names them as the whole
+model does (``blocks.4.mlp...``); ``named_parameters`` names each by its dotted path
 (``blocks.0.mlp.fc1.weight``). A Parameter reached twice (a tied weight) is listed once,
 under its first name, so an optimiser updates it once with the sum of its gradients (the
 gradient of a Parameter used twice already is that sum).
@@ -32,11 +34,14 @@ __all__ = ["Module"]
 
 
 def _children(value: Any) -> Iterator[tuple[str, Any]]:
-    """(name suffix, item) for an attribute value: itself, or the items of a list/tuple."""
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
+    """(name suffix, item) for an attribute value: itself, or the items of a list/tuple
+    (by index) or of a dict (by its str keys)."""
+    items = enumerate(value) if isinstance(value, (list, tuple)) else \
+        value.items() if isinstance(value, dict) else None
+    if items is not None:
+        for key, v in items:
             if isinstance(v, (Module, Parameter)):
-                yield f".{i}", v
+                yield f".{key}", v
     elif isinstance(value, (Module, Parameter)):
         yield "", value
 

@@ -68,6 +68,19 @@ def test_parameters_by_name_tied_once_with_their_specs() -> None:
     assert all(x.training for x in m.modules())
 
 
+def test_a_dict_of_blocks_names_them_by_key_as_the_whole_model_does() -> None:
+    """A pipeline stage holding blocks 1 of a 2-block model keeps the whole model's names."""
+    comm = DeviceGroup.cpu(1).comms[0]
+    whole = Model(comm)
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            self.blocks = {"1": whole.blocks[1]}
+
+    assert [n for n, _ in Stage().named_parameters()] == \
+        [n for n in NAMES if n.startswith("blocks.1.")]
+
+
 def _full_state() -> dict[str, np.ndarray]:
     comm = DeviceGroup.cpu(1).comms[0]
     return Model(comm).state_dict()

@@ -14,7 +14,7 @@ guarantees, and how:
    (with probability ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest
    and cseq are the same on every rank and the shares sum to zero. Where the transport
    makes the ranks meet anyway (the ``checked`` capability: the MPI transport's
-   shared-memory header, or one fixed-size exchange that carries a small buffer along) the
+   shared-memory header, or one fixed-size exchange that carries a small collective whole) the
    words ride there; elsewhere one fixed-size all_gather of them on a private split of the
    transport (the *control* channel) comes first. Every rank reads the same rows, so every
    rank decides the same: when they disagree, every rank then all-gathers its whole

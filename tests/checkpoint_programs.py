@@ -35,9 +35,10 @@ STATES = ("exp_avg", "exp_avg_sq")
 
 
 def full(key: str, shape: Sequence[int], version: int) -> np.ndarray:
-    """The whole value of the tensor named ``key`` in state ``version``."""
-    rng = np.random.default_rng([version, *key.encode()])
-    return np.abs(rng.standard_normal(tuple(shape))).astype(np.float32)
+    """The whole value of the tensor named ``key`` in state ``version`` (positive for a
+    second moment)."""
+    x = np.random.default_rng([version, *key.encode()]).standard_normal(tuple(shape)) * 0.5
+    return (np.abs(x) if key.endswith("exp_avg_sq") else x).astype(np.float32)
 
 
 class Block(nn.Module):

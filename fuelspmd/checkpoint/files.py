@@ -97,7 +97,7 @@ def write_shard(path: Path, tensors: Sequence[tuple[str, np.ndarray, str]],
         f.write(struct.pack("<Q", len(text)) + text)
         hook("shard header written")
         for name, arr, _ in tensors:
-            data = memoryview(np.ascontiguousarray(arr)).cast("B")
+            data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             crc, half = 0, len(data) // 2
             for a, b in ((0, half), (half, len(data))):
                 for k in range(a, b, _CHUNK):

@@ -80,7 +80,7 @@ def test_kill_during_save_leaves_the_committed_checkpoint(
     assert found is not None and cp.load_state(_comm(), str(found), 1)[0] == want
     left = sorted(run.glob("ck.tmp-*"))
     for partial in left:
-        with pytest.raises(CheckpointIncompleteError, match="never committed|temporary name"):
+        with pytest.raises(CheckpointIncompleteError, match=r"never committed|temporary name"):
             cp.load_state(_comm(), str(partial), 1)
     cp.save_state(_comm(), str(run / "ck"), 1, 1, False, 3, keep=2)
     assert sorted(p.name for p in run.iterdir()) == ["ck", "latest"]

@@ -149,6 +149,7 @@ def _save(path: Path, state: Mapping[str, Any], mesh: Any, comm: Communicator | 
         raise ConfigError(f"checkpoint.save(keep={keep!r}): give an int >= 1, or None to "
                           "keep every checkpoint")
     wait_pending()
+    files.check_target(path)
     group = group_of(state, mesh, comm)
     rank, size = (group.rank, group.size) if group is not None else (0, 1)
     hook("start")

@@ -193,6 +193,22 @@ def _remove(path: Path, hook: Hook, what: str) -> None:
     hook(f"{what} removed")
 
 
+_OURS = re.compile(rf"shard-\d+-of-\d+\.safetensors|done-\d+(\.tmp)?|{INDEX}(\.tmp)?")
+
+
+def check_target(path: Path) -> None:
+    """Refuse to replace ``path`` unless it is a checkpoint (or what is left of one): a
+    save moves what is there aside and deletes it."""
+    if not path.exists() or _created(path) >= 0:
+        return
+    other = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+    other = [n for n in other if not _OURS.fullmatch(n)] if path.is_dir() else other
+    if other:
+        raise CheckpointError(f"checkpoint.save: {path} exists and is not a checkpoint (it "
+                              f"holds {other[:4]}); a save would replace it. Choose another "
+                              "path, or remove it first")
+
+
 def commit(tmp: Path, path: Path, nonce: str, hook: Hook) -> None:
     """Move the finished ``tmp`` (its index written) to ``path``, replacing a committed
     checkpoint there: old -> ``<path>.old-<nonce>``, new -> path, then delete the old one

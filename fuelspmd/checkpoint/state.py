@@ -122,7 +122,8 @@ def collect(state: Mapping[str, Any]) -> Held:
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"checkpoint.save: state[{k!r}] is a {type(v).__name__}, "
                                   f"neither a Module, an optimiser nor a JSON value ({e}); "
-                                  "convert it (a numpy Generator: rng.bit_generator.state)"
+                                  "pass a JSON value instead (a numpy Generator: "
+                                  "rng.bit_generator.state)"
                                   ) from None
             held.values[k] = v
     return held

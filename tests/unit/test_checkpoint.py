@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from fuelspmd.comm import Communicator
 from fuelspmd.device_group import DeviceGroup
 from fuelspmd.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointIncompleteError,
     CheckpointMismatchError,
     ConfigError,
@@ -250,10 +253,29 @@ def test_another_model_is_refused_before_anything_is_assigned(tmp_path: Path) ->
 
 def test_bad_state_is_refused_with_the_fix(tmp_path: Path) -> None:
     lin = nn.Linear(2, 2, seed=0)
-    with pytest.raises(ConfigError, match=r"neither a Module.*convert it"):
+    with pytest.raises(ConfigError, match=r"neither a Module.*pass a JSON value"):
         checkpoint.save(tmp_path / "ck", {"lin": lin, "rng": np.random.default_rng(0)})
     with pytest.raises(CheckpointMismatchError, match="in no module of the state"):
         checkpoint.save(tmp_path / "ck", {"opt": optim.AdamW(lin.parameters())})
     with pytest.raises(ConfigError, match="keep=0"):
         checkpoint.save(tmp_path / "ck", {"lin": lin}, keep=0)
     assert not (tmp_path / "ck").exists() and volume(((0, 2), (1, 3))) == 4
+
+
+def test_a_directory_that_is_no_checkpoint_is_not_replaced(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint.*notes\.txt"):
+        checkpoint.save(tmp_path / "ck", {"lin": nn.Linear(2, 2, seed=0)})
+    assert (tmp_path / "ck" / "notes.txt").read_text() == "mine"
+
+
+def test_an_async_save_left_at_exit_is_finished(tmp_path: Path) -> None:
+    code = ("import fuelspmd as fs; from fuelspmd import checkpoint, nn; "
+            f"checkpoint.async_save({str(tmp_path / 'ck')!r}, "
+            "{'lin': nn.Linear(64, 64, seed=0), 'step': 1})")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lin = nn.Linear(64, 64, seed=1)
+    assert checkpoint.load(tmp_path / "ck", {"lin": lin}) == {"step": 1}
+    assert np.array_equal(lin.weight.numpy(), nn.Linear(64, 64, seed=0).weight.numpy())

@@ -8,26 +8,28 @@ index, each rename, ``latest``). Then, in this process at tp 1: ``run/ck`` loads
 version 1 if the kill came before the commit (the rename of the new directory into place),
 version 2 after it; ``checkpoint.latest(run)`` loads too; every temporary directory left
 behind is refused with CheckpointIncompleteError; and a next save succeeds and clears the
-leftovers. Four-rank jobs (tp 2 x pp 2) for some points, two-rank (tp 2) for the rest.
+leftovers. Four-rank jobs (tp 2 x pp 2) for some points, two-rank (tp 2) for the rest,
+run two at a time by the first test.
 """
 
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint_programs as cp
-from jobs import mpiexec, needs_mpiexec, run_job
+from jobs import Job, mpiexec, needs_mpiexec, run_job
 
 from fuelspmd import checkpoint
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import CheckpointIncompleteError
 from fuelspmd.transport import SelfTransport
 
-pytestmark = [needs_mpiexec, pytest.mark.timeout(120)]
+pytestmark = [needs_mpiexec, pytest.mark.timeout(600)]  # the first test runs every job
 
 PROGRAM = str(Path(cp.__file__))
 # (ranks, the rank killed, the point (a regex), whether the new checkpoint is committed)
@@ -62,16 +64,31 @@ def _comm() -> Communicator:
     return Communicator(SelfTransport(), device="cpu:0")
 
 
-@pytest.mark.parametrize(("n", "rank", "at", "after"), CASES,
+def _kill(where: Path, case: tuple[int, int, str, bool]) -> Job:
+    n, rank, at, _ = case
+    tp, pp = (2, 2) if n == 4 else (2, 1)
+    (where / "run").mkdir(parents=True)
+    return run_job(mpiexec(n, sys.executable, PROGRAM, "kill", "--path",
+                           str(where / "run" / "ck"), "--tp", str(tp), "--pp", str(pp),
+                           "--rank", str(rank), "--at", at), deadline=90)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Job]]:
+    """Every case's job, two at a time (their startup dominates); case -> (dir, job)."""
+    base = tmp_path_factory.mktemp("kill")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {k: pool.submit(_kill, base / str(k), case) for k, case in enumerate(CASES)}
+        return {k: (base / str(k), f.result()) for k, f in jobs.items()}
+
+
+@pytest.mark.parametrize("k", range(len(CASES)),
                          ids=[f"{n}r-rank{r}-{at.strip('^$')[:24]}" for n, r, at, _ in CASES])
 def test_kill_during_save_leaves_the_committed_checkpoint(
-        tmp_path: Path, n: int, rank: int, at: str, after: bool) -> None:
-    tp, pp = (2, 2) if n == 4 else (2, 1)
-    run = tmp_path / "run"
-    run.mkdir()
-    job = run_job(mpiexec(n, sys.executable, PROGRAM, "kill", "--path", str(run / "ck"),
-                          "--tp", str(tp), "--pp", str(pp), "--rank", str(rank), "--at", at),
-                  deadline=90)
+        killed: dict[int, tuple[Path, Job]], k: int) -> None:
+    _, rank, _, after = CASES[k]
+    where, job = killed[k]
+    run = where / "run"
     assert job.code != 0 and f"rank {rank} killed at" in job.out, (job.code, job.out, job.err)
     assert "saved without a kill" not in job.out
     want = 2 if after else 1

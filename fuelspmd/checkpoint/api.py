@@ -7,7 +7,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +61,29 @@ def _agree_values(rows: list[dict[str, Any]]) -> None:
 
 class SaveHandle:
     """A save in progress: its files are being written by a background thread from host
-    copies; :meth:`wait` returns once the checkpoint is committed (or raises its error)."""
+    copies; :meth:`wait` returns once the checkpoint is committed (or raises its error).
 
-    def __init__(self, path: Path, nonce: str, deadline: float) -> None:
-        self.path, self.nonce, self.deadline = path, nonce, deadline
+    A rank whose writing fails leaves ``failed-<rank>`` in the temporary directory, so the
+    others stop waiting for it (rank 0 for its marker, the rest for the commit) at once
+    rather than at the deadline."""
+
+    def __init__(self, path: Path, tmp: Path, rank: int, nonce: str, deadline: float
+                 ) -> None:
+        self.path, self.tmp, self.rank, self.nonce = path, tmp, rank, nonce
+        self.deadline = deadline
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._done = False
 
-    def _run(self, work: Any) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
         except BaseException as e:  # re-raised on the caller's thread by wait()
             self.error = e
+            if self.tmp.is_dir():
+                (self.tmp / f"failed-{self.rank}").write_text(f"{type(e).__name__}: {e}")
 
-    def start(self, work: Any, background: bool) -> None:
+    def start(self, work: Callable[[], None], background: bool) -> None:
         if background:
             self._thread = threading.Thread(target=self._run, args=(work,),
                                             name="fuelspmd-checkpoint")
@@ -102,13 +110,19 @@ class SaveHandle:
                 _pending().remove(self)
 
     def _committed(self) -> bool:
-        if self.error is not None:
-            raise self.error
+        failed(self.tmp)
         try:
             with open(self.path / INDEX) as f:
                 return json.load(f).get("nonce") == self.nonce  # type: ignore[no-any-return]
         except (OSError, ValueError):
             return False
+
+
+def failed(tmp: Path) -> None:
+    """Raise CheckpointError if a rank left a ``failed-<rank>`` note in ``tmp``."""
+    for note in sorted(tmp.glob("failed-*")) if tmp.is_dir() else []:
+        raise CheckpointError(f"checkpoint.save: rank {note.name[7:]} failed to write its "
+                              f"shard ({note.read_text()}); the previous checkpoint is intact")
 
 
 def _pending() -> list[SaveHandle]:
@@ -164,7 +178,8 @@ def _save(path: Path, state: Mapping[str, Any], mesh: Any, comm: Communicator | 
     held.copy()
     hook("copied")
     deadline = time.monotonic() + (group.timeout if group is not None else _TIMEOUT)
-    handle = SaveHandle(path, nonce, deadline)
+    handle = SaveHandle(path, path.with_name(f"{path.name}.tmp-{nonce}"), rank, nonce,
+                        deadline)
     index = {"format": files.FORMAT, "version": files.VERSION, "nonce": nonce,
              "name": path.name, "created": created, "world": size,
              "mesh": dict(mesh.shape) if mesh is not None else None,
@@ -205,7 +220,12 @@ def _write(path: Path, nonce: str, rank: int, size: int, held: Held, writes: set
     if rank != 0:
         return
     markers = [tmp / f"done-{r}" for r in range(size)]
-    files.wait_for("every rank's shard", lambda: all(m.exists() for m in markers), deadline)
+
+    def ready() -> bool:
+        failed(tmp)
+        return all(m.exists() for m in markers)
+
+    files.wait_for("every rank's shard", ready, deadline)
     hook("markers seen")
     for m in markers:
         with open(m) as f:
@@ -241,10 +261,7 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, mesh: Any = 
         restore(shards, state)
     finally:
         shards.close()
-    values = dict(shards.index["values"])
-    if not isinstance(values, dict):
-        raise CheckpointError(f"{where}: the index's values are not a mapping")
-    return values
+    return dict(shards.index["values"])
 
 
 def latest(run: str | os.PathLike[str]) -> Path | None:

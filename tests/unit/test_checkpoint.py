@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,3 +281,28 @@ def test_an_async_save_left_at_exit_is_finished(tmp_path: Path) -> None:
     lin = nn.Linear(64, 64, seed=1)
     assert checkpoint.load(tmp_path / "ck", {"lin": lin}) == {"step": 1}
     assert np.array_equal(lin.weight.numpy(), nn.Linear(64, 64, seed=0).weight.numpy())
+
+
+def test_a_rank_that_fails_to_write_ends_the_save_on_every_rank_at_once(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    DeviceGroup.cpu(2).run(lambda c: cp.save_state(c, path, 2, 1, False, 1))
+
+    def hook(point: str) -> None:
+        if point == "shard opened":
+            raise OSError("disk full")
+
+    def save(c: Communicator) -> str:
+        try:
+            cp.save_state(c, path, 2, 1, False, 2, _hook=hook if c.rank == 1 else None)
+        except Exception as e:  # each device's error is its result here
+            return f"{type(e).__name__}: {e}"
+        return "saved"
+
+    started = time.monotonic()
+    got = DeviceGroup.cpu(2).run(save)
+    assert time.monotonic() - started < 60  # not the 600 s deadline
+    assert got[1] == "OSError: disk full"
+    assert re.match(r"CheckpointError: checkpoint.save: rank 1 failed to write its shard "
+                    r"\(OSError: disk full\)", got[0])
+    assert cp.load_state(_comm(), path, 1) == (1, 84)

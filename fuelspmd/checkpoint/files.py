@@ -19,7 +19,7 @@ import shutil
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,9 @@ from fuelspmd.errors import (
 
 from .layout import Box, intersect, slices, volume
 
-__all__ = ["FORMAT", "INDEX", "Hook", "Shards", "committed", "find", "fsync_dir",
-           "latest", "read_index", "shard_name", "write_json", "write_shard"]
+__all__ = ["FORMAT", "INDEX", "Hook", "Shards", "check_target", "commit", "committed", "find",
+           "fsync_dir", "latest", "prune", "read_index", "shard_name", "wait_for", "write_json",
+           "write_shard"]
 
 FORMAT, VERSION = "fuelspmd-checkpoint", 1
 INDEX = "index.json"
@@ -308,9 +309,6 @@ class Shards:
                 f"{self.path / name}: tensor {tensor!r} has CRC-32 {crc:#010x}, the index "
                 f"says {piece['crc32']:#010x}: the shard is corrupt; load another checkpoint")
         self._checked.add((name, tensor))
-
-    def pieces(self, key: str) -> Iterator[dict[str, Any]]:
-        yield from self.index["tensors"][key]["pieces"]
 
     def read(self, key: str, box: Box) -> np.ndarray:
         """The values of ``box`` of tensor ``key``, from every saved piece meeting it."""

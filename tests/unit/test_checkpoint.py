@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint_programs as cp
@@ -98,6 +99,8 @@ def test_round_trip_restores_parameters_state_and_values(tmp_path: Path) -> None
     _, net2, opt2 = cp.build(_comm(), 1)
     values = checkpoint.load(tmp_path / "ck", {"model": net2, "optim": opt2})
     assert values["step"] == 7 and cp.check(net2, opt2, 1) == 84
+    shard = load_file(str(tmp_path / "ck" / "shard-00000-of-00001.safetensors"))
+    assert np.array_equal(shard["model/inp.weight@0:4,0:8"], net.inp.weight.numpy())
     again = np.random.default_rng(0)
     again.bit_generator.state = values["rng"]
     assert np.array_equal(again.standard_normal(4), rng.standard_normal(4))

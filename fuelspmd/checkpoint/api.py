@@ -206,7 +206,6 @@ def _write(path: Path, nonce: str, rank: int, size: int, held: Held, writes: set
     assert held.arrays is not None
     mine = [(f"{e.key}@{','.join(f'{a}:{b}' for a, b in e.box)}", arr, e.dtype, e)
             for e, arr in zip(held.entries, held.arrays) if (e.key, e.box) in writes]
-    mine = list({m[0]: m for m in mine}.values())  # a tied tensor's entry once
     fname = shard_name(rank, size)
     done: dict[str, Any] = {"file": None, "bytes": 0, "pieces": []}
     if mine:

@@ -176,6 +176,16 @@ def test_zero1_state_reshards_to_other_dp_sizes_and_to_adamw(tmp_path: Path) -> 
             np.testing.assert_array_equal(g, w)
 
 
+def test_zero1_at_tp2_dp2_loads_at_dp1_dp2_dp4_and_into_adamw(tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    DeviceGroup.cpu(4).run(lambda c: cp.save_state(c, path, 2, 1, True))
+    assert cp.load_state(_comm(), path, 1, zero=False) == (1, 84)
+    assert cp.load_state(_comm(), path, 1, zero=True)[0] == 1
+    for tp in (1, 2):  # dp 4 and dp 2 over four devices
+        got = DeviceGroup.cpu(4).run(lambda c, tp=tp: cp.load_state(c, path, tp, zero=True))
+        assert [v for v, _ in got] == [1] * 4
+
+
 def test_replicas_write_each_block_once(tmp_path: Path) -> None:
     """dp 3 replicas of one model: only rank 0 writes a shard."""
     path = str(tmp_path / "ck")

@@ -20,6 +20,7 @@ import numpy as np
 
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import CheckpointMismatchError, ConfigError
+from fuelspmd.launch import current
 from fuelspmd.nn import Module, Parameter
 from fuelspmd.optim import Optimizer, ZeRO1
 from fuelspmd.tensor import Tensor, realize
@@ -131,8 +132,9 @@ def collect(state: Mapping[str, Any]) -> Held:
 
 def group_of(state: Mapping[str, Any], mesh: Any, comm: Communicator | None
              ) -> Communicator | None:
-    """The communicator of every rank taking part: the mesh's, ``comm``, or the one
-    communicator the state is sharded over (None: this process alone)."""
+    """The communicator of every rank taking part: the mesh's, ``comm``, the one
+    communicator the state is sharded over, or the world of ``fs.init()`` (None: this
+    process alone)."""
     if mesh is not None:
         return mesh.comm_group  # type: ignore[no-any-return]
     if comm is not None:
@@ -147,7 +149,10 @@ def group_of(state: Mapping[str, Any], mesh: Any, comm: Communicator | None
     if len(found) > 1:
         raise ConfigError(f"checkpoint: the state is sharded over {len(found)} communicators "
                           "(tp and dp?); pass mesh= (or comm=, the group of every rank)")
-    return next(iter(found.values()), None)
+    if found:
+        return next(iter(found.values()))
+    world = current()  # ranks of one job holding replicated state (pp stages, dp replicas)
+    return world.comm if world is not None and world.size > 1 else None
 
 
 def restore(shards: Shards, state: Mapping[str, Any]) -> None:

@@ -60,3 +60,16 @@ def test_ranks_that_disagree_are_refused_on_every_rank(world: fs.World, shared: 
         checkpoint.save(shared / "bad", {"lin": lin}, comm=world.comm)
     world.comm.barrier()
     assert not list(shared.glob("bad*"))
+
+
+def test_replicated_state_saved_without_a_group_is_one_checkpoint_of_the_world(
+        world: fs.World, shared: Path) -> None:
+    """No mesh, no comm, nothing sharded (dp replicas): the world of fs.init() is the group,
+    so the ranks write one checkpoint together (each block once) instead of racing."""
+    lin = nn.Linear(3, 4, seed=0)
+    checkpoint.save(shared / "rep", {"lin": lin, "step": 3})
+    assert len(list((shared / "rep").glob("*.safetensors"))) == 1
+    again = nn.Linear(3, 4, seed=1)
+    assert checkpoint.load(shared / "rep", {"lin": again}) == {"step": 3}
+    assert (again.weight.numpy() == lin.weight.numpy()).all()
+    world.comm.barrier()

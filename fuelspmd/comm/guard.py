@@ -336,6 +336,10 @@ class Guard:
             have = self.recvd[q] if q_op == SEND else self.sent[q]
             if have >= need or (my_op in (SEND, RECV) and my_peer != q):
                 return  # this rank issued its side, or may still after its current op
+            if my_op in (SEND, RECV) and \
+                    int(note[3] if my_op == SEND else note[2]) >= self._cur[3]:
+                return  # q already issued the other side of this rank's op with it: that
+                # completes, and this rank may issue what q waits for next
             side = "recvs from" if q_op == SEND else "sends to"
             self.fail(f"point-to-point mismatch in group {self.group}: rank {q} waits in "
                       f"{describe(theirs)} (its message #{need} with rank {r}) but rank {r} "

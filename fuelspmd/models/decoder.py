@@ -326,19 +326,18 @@ class Decoder(Module):
     def _gather_to_root(self, name: str, p: Parameter | None, shape: tuple[int, ...]
                         ) -> np.ndarray | None:
         """Parameter ``name``'s full array on rank 0 of the group (None elsewhere): gathered
-        over tp on its stage, then sent from that stage's tp rank 0 to stage 0."""
+        over tp on its stage, then summed over pp with zeros from the other stages (exact:
+        x + 0 = x), a collective every stage enters, so none runs ahead of rank 0."""
         if self.dp_coord != 0:
             return None
-        owner = self._owner(name)
-        if self.stage == owner:
+        arr = None
+        if self.stage == self._owner(name):
             assert p is not None
             t: Tensor = p if p.spec.replicated else self.comm.all_gather(p, axis=p.spec.dim)
             arr = t.numpy()
-            if owner == 0:
-                return arr if self.comm.rank == 0 else None
-            if self.comm.rank == 0:
-                self.pp_comm.send(tensor(arr, device=self.comm.device), 0).realize()
+        if self.comm.rank != 0:
             return None
-        if self.stage == 0 and self.comm.rank == 0:
-            return self.pp_comm.recv(shape, self.dtype, owner).numpy()
-        return None
+        if self.pp_comm.size > 1:
+            mine = np.zeros(shape, to_numpy(self.dtype)) if arr is None else arr
+            arr = self.pp_comm.all_reduce(tensor(mine, device=self.comm.device)).numpy()
+        return arr if self.group.rank == 0 else None

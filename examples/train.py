@@ -64,7 +64,7 @@ from rich.progress import Progress as RichProgress
 from threadpoolctl import threadpool_limits
 
 import fuelspmd as fs
-from fuelspmd import models, nn, optim
+from fuelspmd import nn, optim
 from fuelspmd import tensor_parallel as tp
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
@@ -248,6 +248,10 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         if chunks != 1:
             raise ConfigError(f"train --from: a loaded model is one stage per rank; use "
                               f"--chunks 1 and a non-interleaved schedule, not {chunks}")
+        # imported here: with fuelspmd.models imported, the interleaved tp 2 x pp 2 run
+        # meets a false point-to-point mismatch from the guard (reported, not yet found)
+        from fuelspmd import models
+
         pretrained = models.from_pretrained(args.from_dir, mesh=mesh, dtype=cfg.dtype)
         ranges = [(0, cfg.layers)]
         stages: list[Any] = pretrained.stages
@@ -337,7 +341,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def tied_table(model: models.Decoder | None, ppc: Communicator
+def tied_table(model: Any, ppc: Communicator
                ) -> tuple[int, Communicator] | None:
     """(index of the embedding in the stage's parameters, the first and last stages'
     Communicator) when this rank holds a copy of a tied table that another stage also

@@ -81,7 +81,7 @@ def test_train_from_a_directory(dirs: dict[str, Path], capsys: pytest.CaptureFix
         seen[model.stage] = model.embed.weight  # type: ignore[assignment]
         return model
 
-    monkeypatch.setattr(train.models, "from_pretrained", keep)
+    monkeypatch.setattr(models, "from_pretrained", keep)
     assert train.main(["--from", str(dirs["gpt2"]), "--devices", "cpu:2", "--tp", "1",
                        "--pp", "2", *base]) == 0
     first, last = _losses(capsys.readouterr().out)

@@ -319,7 +319,7 @@ class Decoder(Module):
                 out.close()
         except BaseException:
             if writer:
-                out.__exit__(RuntimeError, None, None)
+                out.abort()
             raise
         self.group.barrier()
 

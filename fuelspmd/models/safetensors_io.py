@@ -155,8 +155,12 @@ class StreamingWriter:
         if kind is None:
             self.close()
         else:
-            self.file.close()
-            self.tmp.unlink(missing_ok=True)
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the temporary file; the file at ``path`` stays what it was."""
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Append the next tensor (it must be the next entry, of its shape and dtype)."""

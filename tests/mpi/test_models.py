@@ -47,21 +47,19 @@ def _bcast(value: Any) -> Any:
 _REFS: dict[str, tuple[Path, np.ndarray, list[list[int]]]] = {}
 
 
-def references(world: fs.World) -> dict[str, tuple[Path, np.ndarray, list[list[int]]]]:
-    """name -> (directory, transformers' logits of IDS, its greedy tokens of the prompts),
-    built on first use (collective: rank 0 builds, the others never import torch, and the
-    result is broadcast); a world size whose tests all skip builds nothing."""
-    if not _REFS:
+def reference(world: fs.World, name: str) -> tuple[Path, np.ndarray, list[list[int]]]:
+    """(directory, transformers' logits of IDS, its greedy tokens of the prompts) of model
+    ``name``, built on first use (collective: rank 0 builds, the others never import torch,
+    and the result is broadcast); a world size whose tests all skip builds nothing."""
+    if name not in _REFS:
         made = None
         if world.rank == 0:
             root = Path(tempfile.mkdtemp(prefix="fuelspmd-models-"))
-            made = {}
-            for name in NAMES:
-                ref = H.build(name, root / name)
-                made[name] = (root / name, H.hf_logits(ref, IDS),
-                              [H.hf_greedy(ref, p, NEW) for p in H.prompts()])
-        _REFS.update(_bcast(made))
-    return _REFS
+            ref = H.build(name, root / name)
+            made = (root / name, H.hf_logits(ref, IDS),
+                    [H.hf_greedy(ref, p, NEW) for p in H.prompts()])
+        _REFS[name] = _bcast(made)
+    return _REFS[name]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +68,8 @@ def _remove_references(world: fs.World) -> Iterator[None]:
     if _REFS:
         world.comm.barrier()
         if world.rank == 0:
-            shutil.rmtree(next(iter(_REFS.values()))[0].parent, ignore_errors=True)
+            for path, _, _ in _REFS.values():
+                shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.fixture()
@@ -106,7 +105,7 @@ def _loads_in_transformers(world: fs.World, path: Path, want: np.ndarray) -> Non
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_and_greedy_tokens_at_tp_world(world: fs.World, name: str) -> None:
     _need_tp(world.size)
-    path, logits, tokens = references(world)[name]
+    path, logits, tokens = reference(world, name)
     model = models.from_pretrained(path, comm=world.comm, dtype="float64")
     assert rel(model(IDS).numpy(), logits) < EXACT
     if name in ("gpt2", "llama_tied"):
@@ -115,7 +114,7 @@ def test_logits_and_greedy_tokens_at_tp_world(world: fs.World, name: str) -> Non
 
 def test_saved_at_tp_world_loads_in_transformers(world: fs.World, shared: Path) -> None:
     _need_tp(world.size)
-    path, logits, _ = references(world)["llama"]
+    path, logits, _ = reference(world, "llama")
     models.from_pretrained(path, comm=world.comm, dtype="float64").save_pretrained(shared)
     _loads_in_transformers(world, shared, logits)
 
@@ -130,7 +129,7 @@ def test_tp_by_pp_mesh_stage_by_stage(world: fs.World, shared: Path, name: str) 
     layers = H.CONFIGS[name].get("n_layer", H.CONFIGS[name].get("num_hidden_layers"))
     if not pp_ or pp_ > layers:
         pytest.skip(f"no tp x pp mesh of {n} ranks for a model of {layers} layers here")
-    path, logits, _ = references(world)[name]
+    path, logits, _ = reference(world, name)
     mesh = fs.Mesh(world, tp=tp_, pp=pp_)
     model = models.from_pretrained(path, mesh=mesh, dtype="float64")
     pp, s = mesh.comm("pp"), mesh.coord("pp")

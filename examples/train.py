@@ -248,8 +248,9 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         if chunks != 1:
             raise ConfigError(f"train --from: a loaded model is one stage per rank; use "
                               f"--chunks 1 and a non-interleaved schedule, not {chunks}")
-        # imported here: with fuelspmd.models imported, the interleaved tp 2 x pp 2 run
-        # meets a false point-to-point mismatch from the guard (reported, not yet found)
+        # imported here: importing it shifts the garbage collector's timing, and with it the
+        # guard's point-to-point check raises a false mismatch in the interleaved tp 2 x pp
+        # 2 run (a recv that an already sent message satisfies is taken for a deadlock)
         from fuelspmd import models
 
         pretrained = models.from_pretrained(args.from_dir, mesh=mesh, dtype=cfg.dtype)

@@ -326,8 +326,8 @@ class Decoder(Module):
     def _gather_to_root(self, name: str, p: Parameter | None, shape: tuple[int, ...]
                         ) -> np.ndarray | None:
         """Parameter ``name``'s full array on rank 0 of the group (None elsewhere): gathered
-        over tp on its stage, then summed over pp with zeros from the other stages (exact:
-        x + 0 = x), a collective every stage enters, so none runs ahead of rank 0."""
+        over tp on its stage, then broadcast over pp from that stage (its bits, a
+        collective every stage enters, so none runs ahead of rank 0)."""
         if self.dp_coord != 0:
             return None
         arr = None
@@ -338,6 +338,7 @@ class Decoder(Module):
         if self.comm.rank != 0:
             return None
         if self.pp_comm.size > 1:
-            mine = np.zeros(shape, to_numpy(self.dtype)) if arr is None else arr
-            arr = self.pp_comm.all_reduce(tensor(mine, device=self.comm.device)).numpy()
+            mine = np.empty(shape, to_numpy(self.dtype)) if arr is None else arr
+            arr = self.pp_comm.broadcast(tensor(mine, device=self.comm.device),
+                                         root=self._owner(name)).numpy()
         return arr if self.group.rank == 0 else None

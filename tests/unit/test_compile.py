@@ -1,0 +1,146 @@
+"""``fs.compile`` in one process and in a DeviceGroup: compiled steps give the uncompiled
+steps' losses bit for bit, replays build no graph, and what cannot be replayed raises."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fuelspmd as fs
+from fuelspmd import nn, optim
+from fuelspmd.comm import Communicator
+from fuelspmd.errors import ConfigError
+from fuelspmd.graph import node as graph_node
+from fuelspmd.transport import SelfTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import compile_programs as P
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def solo() -> Communicator:
+    return Communicator(SelfTransport(), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_gpt_steps_equal_uncompiled_bit_for_bit(dtype: str) -> None:
+    want, wparams, _ = P.train(solo(), compiled=False, dtype=dtype)
+    got, gparams, step = P.train(solo(), compiled=True, dtype=dtype)
+    assert got == want
+    for a, b in zip(gparams, wparams):
+        np.testing.assert_array_equal(a, b)
+    assert step.replays >= P.STEPS - 3 and step.traces <= 3
+
+
+def test_device_group_tp_compiled_equals_uncompiled() -> None:
+    group = fs.DeviceGroup.cpu(2)
+    want = group.run(lambda comm: P.train(comm, compiled=False)[0])
+    got = group.run(lambda comm: P.train(comm, compiled=True)[0])
+    assert got == want
+    assert got[0] == got[1]  # the loss is replicated over tp
+
+
+def _linear() -> tuple[nn.Parameter, optim.AdamW, fs.Tensor, fs.Tensor]:
+    rng = np.random.default_rng(0)
+    w = nn.Parameter(fs.tensor(rng.standard_normal((8, 4)).astype(np.float32)))
+    x = fs.tensor(rng.standard_normal((16, 8)).astype(np.float32))
+    y = fs.tensor(rng.standard_normal((16, 4)).astype(np.float32))
+    return w, optim.AdamW([w], lr=1e-2), x, y
+
+
+def _sgd_step(w: nn.Parameter, opt: optim.Optimizer) -> object:
+    def step(x: fs.Tensor, y: fs.Tensor) -> fs.Tensor:
+        loss = ((x @ w - y) ** 2).mean()
+        opt.step(fs.grad(loss, [w]))
+        return loss
+    return step
+
+
+def test_a_replay_builds_no_node_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, opt, x, y = _linear()
+    step = fs.compile(_sgd_step(w, opt))
+    for _ in range(4):
+        step(x, y)
+    assert step.replays == 1
+    made = []
+    init = graph_node.Node.__init__
+
+    def counting(self: object, *a: object, **k: object) -> None:
+        made.append(a[0])
+        init(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graph_node.Node, "__init__", counting)
+    step(x, y)
+    assert step.replays == 2
+    assert [op.name for op in made] == ["leaf"]  # the returned loss, nothing else
+
+
+def test_a_new_shape_traces_again_and_matches() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        fn = _sgd_step(w, opt)
+        step = fs.compile(fn) if compiled else fn
+        out = [float(step(x, y).numpy()) for _ in range(5)]
+        out += [float(step(x[:8], y[:8]).numpy()) for _ in range(5)]
+        out += [float(step(x, y).numpy()) for _ in range(2)]
+        return out
+    assert run(True) == run(False)
+
+
+def test_retrace_false_names_both_signatures() -> None:
+    w, opt, x, y = _linear()
+    step = fs.compile(_sgd_step(w, opt), retrace=False)
+    step(x, y)
+    with pytest.raises(ConfigError, match=r"called with args \(\(8, 8\) float32 cpu:0.*"
+                                          r"compiled for args \(\(16, 8\) float32 cpu:0"):
+        step(x[:8], y[:8])
+
+
+def test_state_assigned_from_outside_is_seen() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        fn = _sgd_step(w, opt)
+        step = fs.compile(fn) if compiled else fn
+        out = [float(step(x, y).numpy()) for _ in range(5)]
+        w.assign(np.zeros((8, 4), np.float32))  # a checkpoint loaded between steps
+        return out + [float(step(x, y).numpy()) for _ in range(3)]
+    assert run(True) == run(False)
+
+
+def test_a_host_read_inside_raises() -> None:
+    w, _, x, _ = _linear()
+
+    def bad(x: fs.Tensor) -> fs.Tensor:
+        s = float((x @ w).sum().numpy())
+        return x * s
+    with pytest.raises(ConfigError, match=r"read a .* tensor's value to the host"):
+        fs.compile(bad)(x)
+
+
+def test_per_call_data_made_inside_raises() -> None:
+    w, _, x, _ = _linear()
+    rng = np.random.default_rng(0)
+
+    def noisy(x: fs.Tensor) -> fs.Tensor:
+        return x @ w + fs.tensor(rng.standard_normal((16, 4)).astype(np.float32))
+    step = fs.compile(noisy)
+    with pytest.raises(ConfigError, match="made inside the function from host data differs"):
+        for _ in range(4):
+            step(x)
+
+
+def test_a_python_number_changing_per_call_raises() -> None:
+    _, _, x, _ = _linear()
+    count = [0]
+
+    def drifting(x: fs.Tensor) -> fs.Tensor:
+        count[0] += 1
+        return x * float(count[0])
+    step = fs.compile(drifting)
+    with pytest.raises(ConfigError, match="ran different graphs each time"):
+        for _ in range(8):
+            step(x)

@@ -289,9 +289,10 @@ class _Replay:
         self.held = [weakref.ref(n) for n in held]
         self.tree = cap.tree
 
-    def run(self, tensors: list[Tensor]) -> Any:
+    def run(self, tensors: list[Tensor], run_values: Any = None) -> Any:
         """The step's outputs for these arguments, or ``_STALE`` (nothing run) when a
-        state node is gone."""
+        state node is gone. ``run_values(plan, vals)`` runs a plan (the default
+        executor's; a bench passes a stand-in to time the rest alone)."""
         cells = [r() for r in self.cells]
         held = [r() for r in self.held]
         if None in cells or None in held or any(n.buffer is None for n in held):  # type: ignore[union-attr]
@@ -299,7 +300,7 @@ class _Replay:
         args = [t.node.buffer for t in tensors]
         cell_bufs = [c.buffer for c in cells]  # type: ignore[union-attr]
         held_bufs = [n.buffer for n in held]  # type: ignore[union-attr]
-        run_values = default_executor().run_values
+        run_values = run_values or default_executor().run_values
         results: list[list[Any]] = []
         for plan, feeds in self.segments:
             vals: list[Any] = [None] * plan.n_values

@@ -15,7 +15,8 @@ Modes: ``tp1`` one process; under ``mpiexec -n 2``, ``tp`` splits the heads and 
 over the ranks (fuelspmd's ``ParallelAttention``/``ParallelMLP``; torch's written
 Megatron-style: autograd functions for the conjugate identity / all-reduce pair over
 gloo) and ``dp`` replicates the model and averages the gradients (fuelspmd's all_reduce
-over MPI; torch's ``DistributedDataParallel`` over gloo). Torch's process group starts in
+over MPI in buckets of 4 MiB; torch's ``DistributedDataParallel`` over gloo, in its own
+buckets). Torch's process group starts in
 the same processes from the MPI rank and size (a file rendezvous in ``--rendezvous``).
 The ratios are the medians of compiled / torch and uncompiled / torch.
 """
@@ -38,6 +39,7 @@ from fuelspmd import nn, optim
 from fuelspmd import tensor_parallel as tp
 from fuelspmd.bench import Column, median, parser, print_json, print_table
 from fuelspmd.comm import Communicator
+from fuelspmd.comm.communicator import BUCKET_BYTES
 from fuelspmd.transport import SelfTransport
 
 __all__ = ["GPT", "SIZES", "Size", "batch", "full_weights", "main", "make_step"]
@@ -127,7 +129,8 @@ class GPT(nn.Module):
 
 def make_step(model: GPT, opt: Any, *, dp: Communicator | None = None) -> Any:
     """``step(ids, targets) -> loss``: forward, backward, the dp-mean of the gradients
-    (unless the optimiser is ZeRO-1, which reduce-scatters them itself), the update."""
+    (unless the optimiser is ZeRO-1, which reduce-scatters them itself), realised as one
+    graph (the loss with them: else its forward would run again), then the update."""
     params = model.parameters()
     mean = dp is not None and dp.size > 1 and not isinstance(opt, optim.ZeRO1)
 
@@ -137,6 +140,7 @@ def make_step(model: GPT, opt: Any, *, dp: Communicator | None = None) -> Any:
         if mean:
             assert dp is not None
             grads = [dp.all_reduce(g, "avg") for g in grads]
+        fs.realize(loss, *grads)
         opt.step(grads)
         return loss
 
@@ -242,7 +246,10 @@ def _fuelspmd(size: Size, mode: str, world: Any, compiled: bool) -> Callable[[in
     """One fuelspmd candidate: ``run(i)`` takes step ``i`` (forward, backward, AdamW)."""
     solo = Communicator(SelfTransport(), device=world.device)
     comm = world.comm if mode == "tp" else solo
-    dp = world.comm if mode == "dp" else None
+    dp = None
+    if mode == "dp":  # the gradients' all-reduces bucketed, as DDP's are
+        dp = Communicator(world.comm.transport.split(0, world.rank), device=world.device,
+                          timeout=world.comm.timeout, bucket_bytes=BUCKET_BYTES)
     model = GPT(size, full_weights(size), comm=comm)
     step = make_step(model, optim.AdamW(model.parameters(), lr=1e-3), dp=dp)
     fn = fs.compile(step) if compiled else step

@@ -38,10 +38,13 @@ def test_tp_compiled_equals_uncompiled(world: fs.World) -> None:
     assert step.replays >= P.STEPS - 3
 
 
-@pytest.mark.parametrize("zero", [False, True])
-def test_dp_compiled_equals_uncompiled(world: fs.World, zero: bool) -> None:
+@pytest.mark.parametrize(("zero", "dtype"), [(False, "float32"), (True, "float32"),
+                                             (True, "bfloat16")])
+def test_dp_compiled_equals_uncompiled(world: fs.World, zero: bool, dtype: str) -> None:
+    """Plain dp (all-reduced gradients) and ZeRO-1 (reduce-scattered, sliced state, the
+    16-bit parameters' float32 master slices)."""
     solo = Communicator(SelfTransport(), device=world.device)
-    kw = dict(dp=world.comm, zero=zero, replica=world.rank)
+    kw = dict(dp=world.comm, zero=zero, replica=world.rank, dtype=dtype)
     want = P.train(solo, compiled=False, **kw)[0]
     got, _, step = P.train(solo, compiled=True, **kw)
     assert got == want

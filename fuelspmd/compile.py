@@ -22,7 +22,8 @@ the step is captured (the first call usually differs: an optimiser makes its sta
 then), and every later call *replays*: each segment's plan runs on the buffers of the
 new arguments and of the state, with no node or Tensor built per op, the collectives
 issued by the same plan steps, in the same order (invariant 1), each through the
-transport and its guard with the transport's fresh sequence numbers. Carried state is
+transport and its guard with the transport's fresh sequence numbers (collectives built
+before the call are issued first, as the op table's ``replay`` hook asks). Carried state is
 updated in place: the node that holds a Parameter's value gets the new buffer (so a
 Tensor aliasing the old value sees the new one, as a TinyJit buffer; copy with
 ``.numpy()`` to keep one). The returned tensors are new realised Tensors.
@@ -52,6 +53,7 @@ from fuelspmd.backend import to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
 from fuelspmd.graph.node import Node, leaf
+from fuelspmd.graph.plan import Start
 from fuelspmd.tensor import Tensor, realize
 
 __all__ = ["Compiled", "compile"]
@@ -278,9 +280,17 @@ class _Replay:
                 return HELD, len(held) - 1, 0
             return CONST, src[1].buffer, 0
 
+        streams: dict[int, list[Any]] = {}  # per stream: [replay hook, attrs, count]
         for seg in cap.segments:
             feeds = [(v, *compiled(src)) for v, src in zip(seg.slots, seg.srcs)]
             self.segments.append((seg.plan, feeds))
+            for step in seg.plan.steps:
+                op = step.instr.op
+                if isinstance(step, Start) and op.replay is not None:
+                    hook = streams.setdefault(id(step.instr.attrs.comm),
+                                              [op.replay, step.instr.attrs, 0])
+                    hook[2] += len(step.members)
+        self.streams = [tuple(h) for h in streams.values()]
         self.outputs = [compiled(src) for src in cap.outputs]
         self.devices = cap.devices
         order = sorted(cells, key=cells.__getitem__)
@@ -297,6 +307,8 @@ class _Replay:
         held = [r() for r in self.held]
         if None in cells or None in held or any(n.buffer is None for n in held):  # type: ignore[union-attr]
             return _STALE
+        for hook, attrs, count in self.streams:  # each stream counts what it will issue
+            hook(attrs, count)
         args = [t.node.buffer for t in tensors]
         cell_bufs = [c.buffer for c in cells]  # type: ignore[union-attr]
         held_bufs = [n.buffer for n in held]  # type: ignore[union-attr]

@@ -12,7 +12,7 @@ import pytest
 import fuelspmd as fs
 from fuelspmd import nn, optim
 from fuelspmd.comm import Communicator
-from fuelspmd.errors import ConfigError
+from fuelspmd.errors import CollectiveMismatchError, ConfigError
 from fuelspmd.graph import node as graph_node
 from fuelspmd.transport import SelfTransport
 
@@ -144,3 +144,33 @@ def test_a_python_number_changing_per_call_raises() -> None:
     with pytest.raises(ConfigError, match="ran different graphs each time"):
         for _ in range(8):
             step(x)
+
+
+def test_a_collective_built_before_a_replay_is_issued_first() -> None:
+    """Device 0 builds an all_reduce before calling the replayed step, device 1 after it:
+    uncompiled, device 0 issues it first and the group raises the mismatch; a replay
+    must too (issuing the step's collectives first would hide the bug and reorder)."""
+    group = fs.DeviceGroup.cpu(2, timeout=10.0)
+
+    def program(comm: Communicator, compiled: bool) -> None:
+        w = nn.Parameter(fs.tensor(np.ones((4, 3), np.float32), device=comm.device))
+        opt = optim.SGD([w], lr=0.1)
+
+        def step(x: fs.Tensor) -> fs.Tensor:
+            loss = (comm.all_reduce(x @ w) ** 2).mean()
+            opt.step(fs.grad(loss, [w]))
+            return loss
+        fn = fs.compile(step) if compiled else step
+        x = fs.tensor(np.ones((2, 4), np.float32), device=comm.device)
+        for _ in range(4):
+            fn(x)
+        y = fs.tensor(np.ones(5, np.float32), device=comm.device)
+        early = comm.all_reduce(y) if comm.rank == 0 else None
+        fn(x)
+        late = comm.all_reduce(y) if comm.rank == 1 else early
+        assert late is not None
+        late.numpy()
+
+    for compiled in (False, True):
+        with pytest.raises(CollectiveMismatchError):
+            group.run(program, [compiled] * 2)

@@ -38,7 +38,8 @@ value of every other argument (hashable); a new one traces again (``retrace=True
 raises ConfigError naming both (``retrace=False``). A state node replaced from outside
 (``p.assign(...)``, ``load_state_dict``) and held by nothing else is noticed and traced
 again. Each thread (each device of a DeviceGroup) traces on its own, and the devices of
-the arguments are part of the signature, so every device's replay is its own.
+the arguments are part of the signature, so every device's replay is its own. A compiled
+function called while another is being traced runs as part of that trace.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 from fuelspmd.backend import to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
-from fuelspmd.graph.node import Node, leaf
+from fuelspmd.graph.node import TRACE, Node, leaf
 from fuelspmd.graph.plan import Start
 from fuelspmd.tensor import Tensor, realize
 
@@ -88,6 +89,8 @@ class Compiled:
                 f"signatures, {self.traces} traces, {self.replays} replays)")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if TRACE.recorder is not None:  # inside another compiled step's trace: part of it
+            return self.fn(*args, **kwargs)
         tensors: list[Tensor] = []
         key = (_key(args, tensors), _key(kwargs, tensors))
         lazy = [t for t in tensors if t.node.buffer is None]

@@ -174,3 +174,16 @@ def test_a_collective_built_before_a_replay_is_issued_first() -> None:
     for compiled in (False, True):
         with pytest.raises(CollectiveMismatchError):
             group.run(program, [compiled] * 2)
+
+
+def test_a_compiled_function_inside_another_is_part_of_its_trace() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        inner = _sgd_step(w, opt)
+        inner = fs.compile(inner) if compiled else inner
+
+        def outer(x: fs.Tensor, y: fs.Tensor) -> fs.Tensor:
+            return inner(x, y) * 2.0
+        step = fs.compile(outer) if compiled else outer
+        return [float(step(x, y).numpy()) for _ in range(6)]
+    assert run(True) == run(False)

@@ -6,6 +6,7 @@ The same program runs with ranks as processes or as devices of one process::
     mpiexec -n 2 python examples/generate.py           # two processes: heads split 2 ways
     python examples/generate.py --devices cpu:2        # two devices of one process
     python examples/generate.py --check                # also compare with a no-cache reference
+    python examples/generate.py --from DIR --check     # a Hugging Face GPT-2 or Llama directory
 
 A batch of requests shares a long prompt prefix and each adds a few tokens of its own.
 Each rank runs the same :class:`KVCacheManager` (checked by a :class:`KVCacheCoordinator`)
@@ -14,7 +15,11 @@ computes only the part of a prompt the prefix cache does not hold; decoding runs
 batch one token per step, attention reading every sequence through its block table.
 Rank 0 prints one JSON line: prefix hit rate, blocks used, tokens per second and, with
 ``--check``, whether the tokens EQUAL those of a plain numpy model that recomputes
-attention over the whole sequence at every step, without any cache.
+attention over the whole sequence at every step, without any cache. With ``--from DIR``
+the model is :func:`fuelspmd.models.from_pretrained` of that directory (each rank reading
+its shards), the vocabulary the model's, and ``--check`` compares with the same model's
+forward over the whole sequence at every step, without any cache. The loop is
+:func:`fuelspmd.models.greedy` either way.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import argparse
 import json
 import math
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import fuelspmd as fs
+from fuelspmd import models
 from fuelspmd import tensor_parallel as tp
-from fuelspmd.distributed_cache import KVCacheCoordinator, KVCacheManager, PagedKVStore
+from fuelspmd.distributed_cache import PagedKVStore
 from fuelspmd.functional import layer_norm
 
 DTYPE = "float64"  # greedy argmax must not flip on a rounding difference between modes
@@ -79,8 +85,13 @@ class PagedTransformer:
         self.mlp = [tp.ParallelMLP(hidden, lw["mlp"][0].shape[1], comm=comm, full=lw["mlp"],
                                    device=dev, dtype=DTYPE) for lw in weights["layers"]]
 
-    def __call__(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
-                 store: PagedKVStore) -> fs.Tensor:
+    def kv_layout(self) -> tuple[int, int, int, fs.DType]:
+        """What :func:`fuelspmd.models.greedy` sizes the store by."""
+        kv_heads, head_dim = self.attn[0].cache_heads  # what this rank stores per token
+        return len(self.attn), kv_heads, head_dim, fs.float64
+
+    def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
+             store: PagedKVStore) -> fs.Tensor:
         """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``."""
         dev = self.comm.device
         t = tokens.shape[1]
@@ -94,65 +105,22 @@ class PagedTransformer:
 
 
 def generate(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Prefill every request (prefix-cached), fork its samples, then decode greedily.
-
-    Sequence ``i * samples + s`` is sample ``s`` of request ``i``; samples 1.. are forks of
-    sample 0 after its prefill, sharing every block, so the first token each appends to
-    the shared partial block makes the manager return a copy-on-write :class:`BlockCopy`,
-    which the store carries out before the token's keys and values are written.
-    """
-    prompts = make_prompts(args)
-    model = PagedTransformer(make_weights(args), comm=comm, heads=args.heads)
-    bs, k = args.block_size, args.samples
-    per_seq = -(-(args.prefix + args.suffix + args.new_tokens) // bs)
-    manager = KVCacheManager(len(prompts) * k * per_seq + 1, bs,
-                             enable_prefix_caching=not args.no_prefix_cache)
-    coord = KVCacheCoordinator(manager, comm=comm, every=args.check_every, mode=args.coordinate)
-    kv_heads, head_dim = model.attn[0].cache_heads  # what this rank stores per token
-    store = PagedKVStore(num_layers=args.layers, num_blocks=manager.pool.num_blocks,
-                         block_size=bs, kv_heads=kv_heads, head_dim=head_dim,
-                         device=comm.device, dtype=DTYPE)
-    seqs = list(range(len(prompts) * k))
-    out: list[list[int]] = [[] for _ in seqs]
-    computed, ttft, peak = 0, [], 0
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(prompts):  # prefill: only what the cache does not hold
-        hit = coord.allocate(i * k, prompt)
-        computed += len(prompt) - hit
-        logits = model(np.asarray([prompt[hit:]]), starts=[hit],
-                       tables=[manager.block_table(i * k)], store=store)
-        fs.realize(logits, *store.tensors())
-        first = int(np.argmax(logits.numpy()[0]))
-        for s in range(k):
-            if s:
-                coord.fork(i * k, i * k + s)
-            out[i * k + s].append(first)
-        ttft.append(time.perf_counter() - t0)
-        peak = max(peak, manager.pool.num_in_use)
-    for _ in range(args.new_tokens - 1):  # decode: the whole batch, one token each
-        last = [o[-1] for o in out]
-        for q, tok in zip(seqs, last):
-            store.copy(coord.append(q, [tok]))
-        starts = [manager.num_tokens(q) - 1 for q in seqs]
-        logits = model(np.asarray(last)[:, None], starts=starts,
-                       tables=[manager.block_table(q) for q in seqs], store=store)
-        fs.realize(logits, *store.tensors())
-        for q, row in zip(seqs, logits.numpy()):
-            out[q].append(int(np.argmax(row)))
-        peak = max(peak, manager.pool.num_in_use)
-        coord.step()
-    elapsed = time.perf_counter() - t0
-    coord.check()
-    stats = manager.stats()
-    for q in seqs:
-        coord.free(q)
-    manager.check_invariants()
-    return {"tp": comm.size, "requests": len(prompts), "samples": k, "prefix": args.prefix,
-            "prefix_cache": not args.no_prefix_cache, "hit_rate": round(stats.hit_rate, 4),
-            "prefill_tokens_computed": computed, "blocks_used": peak,
-            "blocks_total": stats.num_blocks, "copies": stats.copies,
-            "ttft_s": round(float(np.mean(ttft)), 4),
-            "tokens_per_s": round(len(seqs) * args.new_tokens / elapsed, 1), "tokens": out}
+    """Greedy tokens of every request (:func:`fuelspmd.models.greedy`) and what the cache
+    did; sequence ``i * samples + s`` is sample ``s`` of request ``i``."""
+    model: Any = (models.from_pretrained(args.from_dir, comm=comm, dtype=DTYPE)
+                  if args.from_dir else PagedTransformer(make_weights(args), comm=comm,
+                                                         heads=args.heads))
+    out = models.greedy(model, make_prompts(args), args.new_tokens,
+                        block_size=args.block_size, samples=args.samples,
+                        prefix_caching=not args.no_prefix_cache,
+                        check_every=args.check_every, coordinate=args.coordinate)
+    return {"tp": comm.size, "requests": args.requests, "samples": args.samples,
+            "prefix": args.prefix, "prefix_cache": not args.no_prefix_cache,
+            "hit_rate": round(out.hit_rate, 4),
+            "prefill_tokens_computed": out.prefill_tokens_computed,
+            "blocks_used": out.blocks_used, "blocks_total": out.blocks_total,
+            "copies": out.copies, "ttft_s": round(out.ttft_s, 4),
+            "tokens_per_s": round(out.tokens_per_s, 1), "tokens": out.tokens}
 
 
 # ---- the reference: plain numpy, whole sequence, no cache --------------------------------
@@ -188,13 +156,24 @@ def reference_logits(weights: dict[str, Any], tokens: list[int], heads: int) -> 
 
 def reference_tokens(args: argparse.Namespace) -> list[list[int]]:
     """Greedy tokens of every sequence (each request's samples alike) from
-    :func:`reference_logits`."""
-    weights = make_weights(args)
+    :func:`reference_logits`, or with ``--from`` from the model's whole-sequence forward
+    in one process."""
+    if args.from_dir:
+        model = models.from_pretrained(args.from_dir, dtype=DTYPE)
+
+        def last(seq: list[int]) -> np.ndarray:
+            return model(np.asarray([seq])).numpy()[0, -1]
+    else:
+        weights = make_weights(args)
+
+        def last(seq: list[int]) -> np.ndarray:
+            return reference_logits(weights, seq, args.heads)
+
     out = []
     for prompt in make_prompts(args):
         seq = list(prompt)
         for _ in range(args.new_tokens):
-            seq.append(int(np.argmax(reference_logits(weights, seq, args.heads))))
+            seq.append(int(np.argmax(last(seq))))
         out += [seq[len(prompt):]] * args.samples
     return out
 
@@ -217,6 +196,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=128)
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="a Hugging Face GPT-2 or Llama directory (config.json and "
+                        "safetensors): its model and vocabulary instead of the seeded one")
     p.add_argument("--check-every", type=int, default=4,
                    help="digest check of the block tables every N decode steps (1: debug)")
     p.add_argument("--coordinate", choices=("check", "leader"), default="check",
@@ -231,6 +213,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.max_len = args.prefix + args.suffix + args.new_tokens
+    if args.from_dir:  # the prompts are drawn from the model's vocabulary
+        cfg = json.loads((Path(args.from_dir) / "config.json").read_text())
+        args.vocab = int(cfg["vocab_size"])
+        most = cfg.get("n_positions", cfg.get("max_position_embeddings"))
+        if most is not None and args.max_len > most:
+            p.error(f"--prefix + --suffix + --new-tokens = {args.max_len} positions, but the "
+                    f"model has {most}; give shorter prompts or fewer new tokens")
     return args
 
 

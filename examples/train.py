@@ -9,6 +9,7 @@ The same program runs with ranks as processes or as devices of one process::
     mpiexec -n 4 python examples/train.py --check     # first step == one process?
     mpiexec -n 8 python examples/train.py --dp 2 --zero --dropout 0.1   # ZeRO-1
     python examples/train.py --dtype bfloat16 --recompute   # 16-bit, recomputed blocks
+    mpiexec -n 4 python examples/train.py --from DIR   # fine-tune a Hugging Face GPT-2/Llama
 
 The model, written with :mod:`fuelspmd.nn`: a vocabulary-parallel embedding plus a learned
 position embedding, ``--layers`` pre-norm blocks ``x + drop(attn(ln(x)))``,
@@ -36,6 +37,13 @@ predicts ``x_1 .. x_T``: the first target depends on the unknown stride (one of 
 So the mean next-token loss falls from about ``log V`` towards the floor ``log(K) / T``
 (:func:`loss_floor`: ``log 3 / 8``, 0.137, with the defaults), which the summary line
 prints beside the last loss.
+
+``--from DIR`` fine-tunes a Hugging Face GPT-2 or Llama directory on the same task (over
+the model's vocabulary) instead: :func:`fuelspmd.models.from_pretrained` over the mesh
+gives each rank its stage's shards, the model's pipeline stage is the executor's, and the
+loss is the cross-entropy of its full logits. With tied embeddings and pp > 1 the first
+and last stages each hold the table, and their gradients are summed over those two
+stages before the step, so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +68,7 @@ from fuelspmd import nn, optim
 from fuelspmd import tensor_parallel as tp
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
+from fuelspmd.functional import cross_entropy
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule, simulate
 from fuelspmd.pipeline_parallel.render import chrome_trace
 
@@ -231,17 +241,35 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     tpc, ppc, dpc = mesh.comm("tp"), mesh.comm("pp"), mesh.comm("dp")
     chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
     sched = schedule(args.schedule, pp_, args.microbatches, chunks)
-    ranges = stage_layers(cfg, pp_ * chunks)
-    w = full_weights(cfg, args.seed)
     rng = nn.DropoutRNG(dropout_seed(args.seed, mesh.coord("dp")))
     vs = [j * pp_ + mesh.coord("pp") for j in range(chunks)]
-    stages = [Stage(cfg, w, *ranges[v], first=v == 0, last=v == len(ranges) - 1, comm=tpc,
-                    rng=rng, recompute=args.recompute) for v in vs]
+    pretrained = None
+    if args.from_dir:
+        if chunks != 1:
+            raise ConfigError(f"train --from: a loaded model is one stage per rank; use "
+                              f"--chunks 1 and a non-interleaved schedule, not {chunks}")
+        # imported here: importing it shifts the garbage collector's timing, and with it the
+        # guard's point-to-point check raises a false mismatch in the interleaved tp 2 x pp
+        # 2 run (a recv that an already sent message satisfies is taken for a deadlock)
+        from fuelspmd import models
+
+        pretrained = models.from_pretrained(args.from_dir, mesh=mesh, dtype=cfg.dtype)
+        ranges = [(0, cfg.layers)]
+        stages: list[Any] = pretrained.stages
+    else:
+        ranges = stage_layers(cfg, pp_ * chunks)
+        w = full_weights(cfg, args.seed)
+        stages = [Stage(cfg, w, *ranges[v], first=v == 0, last=v == len(ranges) - 1,
+                        comm=tpc, rng=rng, recompute=args.recompute) for v in vs]
     scaler = optim.LossScaler() if cfg.dtype == "float16" else None
     last_stage = stages[-1]
 
     def loss(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
-        value = last_stage.loss(y, t)
+        if pretrained is None:
+            value = last_stage.loss(y, t)
+        else:  # the full logits, in float32 at least
+            z = y.reshape(-1, y.shape[-1])
+            value = cross_entropy(z if z.dtype.itemsize >= 4 else z.astype(fs.float32), t)
         return value if scaler is None else scaler.scale(value)
 
     params = [p for st in stages for p in st.parameters()]
@@ -255,6 +283,9 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
                           recompute=tp_ > 1, dropout=rng,
                           reduce=opt.reduce if isinstance(opt, optim.ZeRO1) else None)
     first, lastv = vs[0] == 0, vs[-1] == len(ranges) - 1
+    if pretrained is not None:
+        first, lastv = pretrained.first, pretrained.last
+    tied = tied_table(pretrained, ppc)
     out: dict[str, Any] = {"losses": [], "times": [], "bubbles": [], "norms": [],
                            "check": None, "skipped": 0, "peak_saved": 0, "peak_run": 0,
                            "mesh": {"tp": tp_, "pp": pp_, "dp": dp_}}
@@ -275,6 +306,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         res = ex.step(xs if first else None, ys if lastv else None)
         grads = [g for gs in res.grads for g in gs]
+        if tied is not None:  # the first and last stages' copies of a tied table
+            grads[tied[0]] = tied[1].all_reduce(grads[tied[0]])
         finite = True
         if scaler is not None:
             res.loss /= scaler.value
@@ -307,6 +340,20 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     if bar is not None:
         bar.done(out)
     return out
+
+
+def tied_table(model: Any, ppc: Communicator
+               ) -> tuple[int, Communicator] | None:
+    """(index of the embedding in the stage's parameters, the first and last stages'
+    Communicator) when this rank holds a copy of a tied table that another stage also
+    holds (pp > 1); None otherwise. Collective over ``ppc`` (a split) when pp > 1."""
+    if model is None or ppc.size == 1 or not model.arch.tie:
+        return None
+    ends = ppc.split(0 if model.first or model.last else 1, ppc.rank)
+    if not (model.first or model.last):
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    return names.index("embed.weight"), ends
 
 
 class Progress:
@@ -460,6 +507,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="write the last step's measured timeline "
                    "as a Chrome trace (JSON) to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="fine-tune this Hugging Face GPT-2 or Llama directory on the task "
+                        "(its vocabulary and layer count replace --vocab and --layers)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any wait may take")
     for name, default in (("vocab", 16), ("hidden", 32), ("heads", 4), ("ffn", 64),
                           ("layers", 4), ("seq", 8)):
@@ -475,6 +525,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.warmup = args.steps // 10
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if args.from_dir:
+        if args.check or args.zero or args.dropout:
+            p.error("--from fine-tunes the loaded model as it is: --check, --zero and "
+                    "--dropout apply to the built-in model only")
+        cfg = json.loads((Path(args.from_dir) / "config.json").read_text())
+        args.vocab = int(cfg["vocab_size"])
+        args.layers = int(cfg.get("n_layer", cfg.get("num_hidden_layers", 0)))
+        most = cfg.get("n_positions", cfg.get("max_position_embeddings"))
+        if most is not None and args.seq > most:
+            p.error(f"--seq {args.seq} is longer than the model's {most} positions")
     return args
 
 

@@ -14,6 +14,10 @@ __all__ = [
     "CacheDivergenceError",
     "CacheError",
     "CacheUsageError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
     "CollectiveMismatchError",
     "CommError",
     "CommTimeoutError",
@@ -93,3 +97,21 @@ class CacheUsageError(CacheError, ValueError):
 
 class CacheDivergenceError(CacheError, RuntimeError):
     """Ranks that must hold identical block tables do not (a broken invariant)."""
+
+
+class CheckpointError(FuelError):
+    """A checkpoint that cannot be saved or loaded as asked."""
+
+
+class CheckpointIncompleteError(CheckpointError, RuntimeError):
+    """A checkpoint that was never committed (no index, a temporary name) or lacks a file or
+    a tensor its index names."""
+
+
+class CheckpointCorruptError(CheckpointError, RuntimeError):
+    """A shard whose bytes do not match its checksum, or a truncated or unreadable file."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The state does not fit the checkpoint (a missing name, another full shape) or the
+    ranks disagree on what they save."""

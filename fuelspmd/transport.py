@@ -29,11 +29,12 @@ is one documented name with its optional methods; code above this layer asks
 =============  ========================================================================
 capability     methods and contract
 =============  ========================================================================
-``checked``    ``all_reduce_checked(buf, op, check) -> Work``: an all_reduce whose ranks
-               first compare ``check.words`` where they meet anyway (a header, or one
-               fixed-size exchange that may carry a small buffer too): no data moves
-               unless ``check.agrees(rows)`` holds for every rank's words, else every
-               rank raises :class:`Disagreement` with the same rows. While it waits it
+``checked``    ``checked(check, op, *args) -> Work``: the collective ``op(*args)`` (a
+               method name of the protocol) whose ranks first compare ``check.words``
+               where they meet anyway (a header, or one fixed-size exchange that may
+               carry a small collective whole): no data moves unless
+               ``check.agrees(rows)`` holds for every rank's words, else every rank
+               raises :class:`Disagreement` with the same rows. While it waits it
                calls ``check.watch()`` every :data:`WATCH_S`, and gives up at
                ``check.timeout``.
 ``probe``      ``probe(peer, tag) -> int | None``: the rank of a peer (``peer``, or any

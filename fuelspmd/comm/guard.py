@@ -14,7 +14,7 @@ guarantees, and how:
    (with probability ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest
    and cseq are the same on every rank and the shares sum to zero. Where the transport
    makes the ranks meet anyway (the ``checked`` capability: the MPI transport's
-   shared-memory header, or one fixed-size exchange that carries a small buffer along) the
+   shared-memory header, or one fixed-size exchange that carries a small collective whole) the
    words ride there; elsewhere one fixed-size all_gather of them on a private split of the
    transport (the *control* channel) comes first. Every rank reads the same rows, so every
    rank decides the same: when they disagree, every rank then all-gathers its whole
@@ -336,6 +336,10 @@ class Guard:
             have = self.recvd[q] if q_op == SEND else self.sent[q]
             if have >= need or (my_op in (SEND, RECV) and my_peer != q):
                 return  # this rank issued its side, or may still after its current op
+            if my_op in (SEND, RECV) and \
+                    int(note[3] if my_op == SEND else note[2]) >= self._cur[3]:
+                return  # q already issued the other side of this rank's op with it: that
+                # completes, and this rank may issue what q waits for next
             side = "recvs from" if q_op == SEND else "sends to"
             self.fail(f"point-to-point mismatch in group {self.group}: rank {q} waits in "
                       f"{describe(theirs)} (its message #{need} with rank {r}) but rank {r} "

@@ -4,9 +4,9 @@ It is a Transport itself (same methods, same buffer layout), so code written aga
 seam runs guarded unchanged; ``fs.init()`` hands out the world transport so wrapped. It
 numbers the group's operations (``seq``: every op; ``cseq``: collectives) and builds each
 one's fingerprint from its buffers; the fingerprint, digest and check words of each
-distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). An
-all_reduce over a transport that declares ``checked`` hands its words to the transport's
-own meeting; every other collective meets on the guard's control channel first (see
+distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). A
+collective over a transport that declares ``checked`` hands its words to the transport's
+own meeting; over any other it meets on the guard's control channel first (see
 :mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
 the transport's typed error before any communication. Guards still open at interpreter
 exit or ``World.finalize`` say bye then (:func:`bye_all`).
@@ -129,7 +129,6 @@ class GuardedTransport:
         self._checked = "checked" in transport.capabilities and self.guard.checks
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
-        self._lean = self._checked and recorder is None and not self._debug
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
             _OPEN.add(self)
             atexit.unregister(_at_exit)
@@ -157,14 +156,14 @@ class GuardedTransport:
                 self._calls[key] = hit
         return hit
 
-    def _collective(self, call: _Call, method: Callable[..., Work], args: tuple[Any, ...],
-                    result: Any = None, checked: Callable[..., Work] | None = None) -> Work:
-        """Compare, then issue ``method(*args)`` (see :mod:`.guard`); with ``checked``, issue
-        ``checked(*args, check)`` instead: the inner transport's own meeting compares.
+    def _collective(self, call: _Call, name: str, method: Callable[..., Work],
+                    args: tuple[Any, ...], result: Any = None) -> Work:
+        """Compare, then issue ``method(*args)``, the inner transport's collective ``name``
+        (see :mod:`.guard`): over a ``checked`` transport, its own meeting compares
+        (``checked(check, name, *args)``), else the control channel's first.
 
-        An operation complete on return (a checked all_reduce that met in the transport)
-        with nothing left to settle (no flight recorder, not debug) hands back the inner
-        Work itself."""
+        An operation complete on return (a small collective that met in the transport) with
+        nothing left to settle (no flight recorder, not debug) hands back the inner Work."""
         g = self.guard
         if g.failed is not None:
             g.raise_if_failed()
@@ -177,8 +176,8 @@ class GuardedTransport:
             w = check.words
             w[1], w[2] = cseq, g.fence
             try:
-                if checked is not None:
-                    work = checked(*args, check)
+                if self._checked:  # a caller's mistake it finds raises before the meeting
+                    work = self.inner.checked(check, name, *args)  # type: ignore[attr-defined]
                 else:
                     g.meet(check)
                     work = self._issue(method, args, call)
@@ -231,64 +230,38 @@ class GuardedTransport:
             call = self._call("all_reduce", buf, rop._value_)  # type: ignore[union-attr]
             if buf.__class__ is np.ndarray:
                 self._memo = (buf.shape, buf.dtype, op, rop, call)
-        if self._lean:
-            return self._in_band(call, buf, rop)
-        inner = self.inner
-        return self._collective(call, inner.all_reduce, (buf, rop), buf,
-                                inner.all_reduce_checked if self._checked else None)  # type: ignore[attr-defined]
-
-    def _in_band(self, call: _Call, buf: Any, rop: ReduceOp) -> Work:
-        """:meth:`_collective` for the common all_reduce: checked in the transport's own
-        meeting, nothing to record, not debug. The same steps, fewer calls: they run with
-        the caches cold after a large reduction, while the peers wait."""
-        g = self.guard
-        if g.failed is not None:
-            g.raise_if_failed()
-        seq, cseq = self.seq, self.cseq
-        check = call.check
-        g.begin(call.encoded, seq, cseq, fp=call.fp)
-        w = check.words  # type: ignore[union-attr]
-        w[1], w[2] = cseq, g.fence
-        try:
-            work = self.inner.all_reduce_checked(buf, rop, check)  # type: ignore[attr-defined]
-        except CommError as e:
-            self._failed(e)
-            raise
-        self.seq, self.cseq = seq + 1, cseq + 1
-        if work.test():
-            g.settle(-1)
-            return work
-        return GuardedWork(g, work, call.encoded, seq, cseq, -1)
+        return self._collective(call, "all_reduce", self.inner.all_reduce, (buf, rop), buf)
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""
         check_buffers("all_gather", self.size, send, recv, recv_factor=self.size)
-        return self._collective(self._call("all_gather", send), self.inner.all_gather,
-                                (send, recv), recv)
+        return self._collective(self._call("all_gather", send), "all_gather",
+                                self.inner.all_gather, (send, recv), recv)
 
     def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.reduce_scatter``."""
         rop = ReduceOp.parse(op)
         check_buffers("reduce_scatter", self.size, send, recv, send_factor=self.size)
         return self._collective(self._call("reduce_scatter", send, rop.value),
-                                self.inner.reduce_scatter, (send, recv, rop))
+                                "reduce_scatter", self.inner.reduce_scatter, (send, recv, rop))
 
     def broadcast(self, buf: Any, root: int) -> Work:
         """Guarded ``Transport.broadcast``."""
         check_peer("broadcast", root, self.size, what="root")
         check_buffers("broadcast", self.size, buf)
-        return self._collective(self._call("broadcast", buf, root=int(root)),
+        return self._collective(self._call("broadcast", buf, root=int(root)), "broadcast",
                                 self.inner.broadcast, (buf, root), buf)
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_to_all``."""
         check_buffers("all_to_all", self.size, send, recv)
-        return self._collective(self._call("all_to_all", send), self.inner.all_to_all,
-                                (send, recv))
+        return self._collective(self._call("all_to_all", send), "all_to_all",
+                                self.inner.all_to_all, (send, recv))
 
     def barrier(self) -> Work:
         """Guarded ``Transport.barrier``."""
-        return self._collective(self._call("barrier", _NOTHING), self.inner.barrier, ())
+        return self._collective(self._call("barrier", _NOTHING), "barrier",
+                                self.inner.barrier, ())
 
     def send(self, buf: Any, peer: int, tag: int) -> Work:
         """Guarded ``Transport.send``: its fingerprint follows it to the peer."""

@@ -71,7 +71,7 @@ from fuelspmd.launch.places import (
 )
 from fuelspmd.transport import SelfTransport, Transport, find_transports, load_plugin
 
-__all__ = ["LaunchInfo", "World", "detect_launcher", "init"]
+__all__ = ["LaunchInfo", "World", "current", "detect_launcher", "init"]
 
 # the private names tests and older callers use
 _check_world, _local_rank = check_world, local_rank
@@ -149,6 +149,12 @@ class World:
 
 
 _WORLD: World | None = None  # init() is idempotent: the process has one world
+
+
+def current() -> World | None:
+    """The world ``init()`` made in this process, or None before (or after finalize): the
+    default group of a collective that the caller gave none (``checkpoint.save``)."""
+    return _WORLD
 
 
 ALL_REDUCE = ("auto", "mpi", "shm", "hierarchical")

@@ -11,10 +11,10 @@ over data parallelism, and dynamic loss scaling for float16::
 from __future__ import annotations
 
 from fuelspmd.optim.clip import clip_grad_norm
-from fuelspmd.optim.optimizer import SGD, AdamW, Optimizer
+from fuelspmd.optim.optimizer import MASTER, SGD, AdamW, Optimizer
 from fuelspmd.optim.scaling import LossScaler
 from fuelspmd.optim.schedules import Schedule, constant, cosine, linear_warmup
 from fuelspmd.optim.zero import ZeRO1
 
-__all__ = ["SGD", "AdamW", "LossScaler", "Optimizer", "Schedule", "ZeRO1", "clip_grad_norm",
-           "constant", "cosine", "linear_warmup"]
+__all__ = ["MASTER", "SGD", "AdamW", "LossScaler", "Optimizer", "Schedule", "ZeRO1",
+           "clip_grad_norm", "constant", "cosine", "linear_warmup"]

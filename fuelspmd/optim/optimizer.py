@@ -35,6 +35,9 @@ from fuelspmd.tensor import Tensor, host, realize, tensor, zeros
 __all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype", "per_dtype"]
 
 State = dict[str, Tensor]
+# (parameter index, state name, flat start, flat stop) -> those values of the saved state
+Reader = Callable[[int, str, int, int], np.ndarray]
+MASTER = "master"  # the state name of a 16-bit parameter's float32 master copy
 
 
 def master_dtype(dt: DType) -> DType:
@@ -183,6 +186,32 @@ class Optimizer:
         return {"steps": self.steps,
                 "state": [{k: v.numpy() for k, v in st.items()} for st in self.state],
                 "master": [None if m is None else m.numpy() for m in self.master]}
+
+    def shard_state(self) -> list[dict[str, tuple[int, Tensor]]]:
+        """Per parameter (by index): state name -> (flat offset into the parameter's local
+        shard, the flat values this rank holds from there); ``MASTER`` names the master
+        copy. The layout-free view a checkpoint saves and reshards (ZeRO1 gives slices)."""
+        out: list[dict[str, tuple[int, Tensor]]] = []
+        for st, m in zip(self.state, self.master):
+            d = {k: (0, v.reshape(-1)) for k, v in st.items()}
+            if m is not None:
+                d[MASTER] = (0, m.reshape(-1))
+            out.append(d)
+        return out
+
+    def load_shard_state(self, steps: int, names: Sequence[Sequence[str]], read: Reader
+                         ) -> None:
+        """Fill the state from ``read`` (see ``Reader``): parameter ``i`` gets the states
+        ``names[i]``; a ``MASTER`` is kept only for a 16-bit parameter (else the parameter
+        itself is the master)."""
+        for i, p in enumerate(self.params):
+            dt, n = master_dtype(p.dtype), math.prod(p.shape)
+            got = {k: tensor(np.ascontiguousarray(read(i, k, 0, n)).reshape(p.shape),
+                             device=p.device, dtype=dt)
+                   for k in names[i] if k != MASTER or dt != p.dtype}
+            self.master[i] = got.pop(MASTER, None)
+            self.state[i] = got
+        self.steps = int(steps)
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; ShapeError naming every entry that does not

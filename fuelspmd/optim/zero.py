@@ -37,7 +37,15 @@ from fuelspmd.dtypes import DType
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.mesh import Mesh
 from fuelspmd.optim.clip import clip_by, global_norm, spread_over, squares
-from fuelspmd.optim.optimizer import Optimizer, State, check_grads, master_dtype, per_dtype
+from fuelspmd.optim.optimizer import (
+    MASTER,
+    Optimizer,
+    Reader,
+    State,
+    check_grads,
+    master_dtype,
+    per_dtype,
+)
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
 from fuelspmd.tensor import Tensor, concat, realize, tensor, zeros
 
@@ -138,13 +146,7 @@ class ZeRO1:
 
     def _pieces(self, b: _Bucket, g: Tensor) -> list[tuple[int, Tensor]]:
         """(parameter index, its part of this rank's slice ``g``) for each overlap."""
-        lo = self.dp.rank * b.shard
-        out = []
-        for i, off, n in zip(b.index, b.offsets, b.sizes):
-            a, z = max(off, lo), min(off + n, lo + b.shard)
-            if a < z:
-                out.append((i, g[a - lo:z - lo]))
-        return out
+        return [(i, g[at:at + z - a]) for i, a, z, at in self._spans(b)]
 
     def reduce(self, chunk: int, grads: Sequence[Tensor]) -> list[Tensor]:
         """The dp-mean of this rank's slice of each bucket of chunk ``chunk``, lazily (one
@@ -253,6 +255,46 @@ class ZeRO1:
                 "layout": self._layout(),
                 "shards": [None if s is None else s.numpy() for s in self.shards],
                 "state": [{k: v.numpy() for k, v in st.items()} for st in self.state]}
+
+    def _spans(self, b: _Bucket) -> list[tuple[int, int, int, int]]:
+        """(parameter index, flat start and stop in it, start in this rank's slice) of
+        each parameter overlapping this rank's slice of bucket ``b``."""
+        lo = self.dp.rank * b.shard
+        return [(i, a - off, z - off, a - lo) for i, off, n in zip(b.index, b.offsets, b.sizes)
+                for a, z in [(max(off, lo), min(off + n, lo + b.shard))] if a < z]
+
+    def shard_state(self) -> list[dict[str, tuple[int, Tensor]]]:
+        """As :meth:`Optimizer.shard_state`: each parameter's part of this rank's slices
+        (the master slice of a 16-bit bucket as ``MASTER``)."""
+        out: list[dict[str, tuple[int, Tensor]]] = [{} for _ in self.params]
+        for b, st, m in zip(self.buckets, self.state, self.shards):
+            held = {**st, **({MASTER: m} if m is not None else {})}
+            for i, a, z, at in self._spans(b):
+                out[i].update({k: (a, v[at:at + z - a]) for k, v in held.items()})
+        return out
+
+    def load_shard_state(self, steps: int, names: Sequence[Sequence[str]], read: Reader
+                         ) -> None:
+        """As :meth:`Optimizer.load_shard_state`, reading only this rank's slices; the
+        parameters of one bucket must have the same state names (ConfigError if not)."""
+        for k, b in enumerate(self.buckets):
+            mdt = master_dtype(b.dtype)
+            kinds = {tuple(sorted(names[i])) for i in b.index}
+            if len(kinds) > 1:
+                raise ConfigError(f"ZeRO1.load_shard_state: the parameters #{b.index[0]}.."
+                                  f"#{b.index[-1]} of one bucket have different saved states "
+                                  f"{sorted(kinds)}; save every parameter after the same steps")
+            got: dict[str, Tensor] = {}
+            for name in kinds.pop():
+                if name == MASTER and mdt == b.dtype:
+                    continue
+                flat = np.zeros(b.shard, np.dtype(mdt.name))
+                for i, a, z, at in self._spans(b):
+                    flat[at:at + z - a] = read(i, name, a, z)
+                got[name] = tensor(flat, device=self.params[0].device, dtype=mdt)
+            self.shards[k] = got.pop(MASTER, None)
+            self.state[k] = got
+        self.inner.steps = int(steps)
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output, saved by the same dp rank of the same

@@ -81,18 +81,22 @@ class ParallelAttention(Module):
     (``[Q | K | V]`` columns, as GPT-2's ``c_attn``), biases None without bias; or ``seed=``
     (Wq, Wk, Wv, Wo drawn from ``[seed, 0..3]``) or ``empty=True``. ``scale`` defaults to
     1/sqrt(head_dim); ``rope_base`` turns on rotary position embeddings of q and k.
+    ``head_dim`` defaults to hidden/heads; given, Q is ``heads * head_dim`` wide (as
+    Llama configs with an explicit ``head_dim`` have it) and Wo maps that back to hidden.
     """
 
     def __init__(self, hidden: int, heads: int, *, comm: Any, kv_heads: int | None = None,
                  bias: bool = True, causal: bool = True, scale: float | None = None,
-                 rope_base: float | None = None, full: Sequence[Any] | None = None,
-                 seed: int | None = None, empty: bool = False,
+                 rope_base: float | None = None, head_dim: int | None = None,
+                 full: Sequence[Any] | None = None, seed: int | None = None,
+                 empty: bool = False,
                  device: Device | str | None = None, dtype: DType | str | Any = "float32"
                  ) -> None:
         weight_source("ParallelAttention", full, seed, empty)
-        if hidden % heads:
+        if head_dim is None and hidden % heads:
             raise ConfigError(f"ParallelAttention: hidden={hidden} is not divisible by "
-                              f"heads={heads}; each head needs hidden/heads features")
+                              f"heads={heads}; each head needs hidden/heads features (or "
+                              "give head_dim=)")
         kv = heads if kv_heads is None else int(kv_heads)
         if kv < 1 or heads % kv:
             raise ConfigError(f"ParallelAttention: heads={heads} is not a multiple of "
@@ -107,7 +111,8 @@ class ParallelAttention(Module):
             raise ConfigError(f"ParallelAttention: full= takes (Wq, bq, Wk, bk, Wv, bv, Wo, "
                               f"bo) or (Wqkv, bqkv, Wo, bo), got {len(full)} items")
         self.comm, self.heads, self.kv_heads = comm, heads, kv
-        self.head_dim = d = hidden // heads
+        self.hidden = int(hidden)
+        self.head_dim = d = hidden // heads if head_dim is None else int(head_dim)
         self.shared_kv = kv % n != 0  # each rank reads one replicated key/value head
         self.local_kv_heads = 1 if self.shared_kv else kv // n
         self.causal, self.rope_base = bool(causal), rope_base
@@ -156,9 +161,9 @@ class ParallelAttention(Module):
         embedding (default 0..seq-1); ``cache``: a :class:`KVCache` for this layer and step
         (it gives the positions and masks by sequence)."""
         h, d = self.local_heads, self.head_dim
-        if x.ndim != 3 or x.shape[2] != self.heads * d:
+        if x.ndim != 3 or x.shape[2] != self.hidden:
             raise ShapeError(f"ParallelAttention: input must be (batch, seq, "
-                             f"{self.heads * d}), got {x.shape}")
+                             f"{self.hidden}), got {x.shape}")
         if cache is not None and (mask is not None or positions is not None):
             raise ConfigError("ParallelAttention: with cache=, the cache gives positions and "
                               "masks; pass neither mask= nor positions=")

@@ -505,3 +505,30 @@ def test_a_peer_that_finished_a_collective_early_is_not_a_mismatch(world: Any) -
                 time.sleep(4 * WATCH_S)
             work.wait()
             assert (buf == i).all(), (g.rank, i, buf)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_recv_of_a_message_already_sent_is_not_a_mismatch(world: Any) -> None:
+    """Rank 1 sent to rank 0 and waits in a recv from it (its note: waiting for rank 0's
+    send #1, which rank 0 has not issued), while rank 0 waits in its recv of rank 1's
+    message: not a deadlock, since rank 1 already sent it, so the recv completes and rank 0
+    sends next. The note, read inside that recv, must not raise; one whose sender had not
+    sent must. (Driven through the guard's decision directly: when the note arrives within
+    a recv depends on MPI's progress and the collector's timing.)"""
+    from fuelspmd.comm.fingerprint import Fingerprint
+    from fuelspmd.comm.guard import _NOTE, _WAIT, FP_LEN
+
+    with guarded(world) as g:
+        if g.rank == 0:
+            guard = g.guard
+            fp = Fingerprint(0, "recv", (4,), "float32", None, None, g.group, 1, 0, 5, 0)
+            k = guard.recvd_from(1)  # this rank's recv #1 from rank 1
+            guard.begin(fp.encode(), 0, 0, k)
+            note = np.zeros(_NOTE, np.int64)
+            theirs = Fingerprint(1, "recv", (4,), "float32", None, None, g.group, 0, 1, 6, 0)
+            note[:4] = (_WAIT, 0, 1, 1)  # rank 1 sent 1 to rank 0 and waits in recv #1
+            note[4:4 + FP_LEN] = theirs.encode()
+            guard._square(1, note)  # nothing raised
+            note[2] = 0  # had rank 1 not sent, both would wait for each other for ever
+            with pytest.raises(CollectiveMismatchError, match="point-to-point mismatch"):
+                guard._square(1, note)

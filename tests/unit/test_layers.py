@@ -20,7 +20,8 @@ LAYERS = {
     "topology": 5, "cost": 5, "device_group": 5, "launch": 5, "nn": 5,
     "mesh": 6,
     "tensor_parallel": 7, "pipeline_parallel": 7, "distributed_cache": 7, "optim": 7,
-    "cli": 8, "bench": 8, "__main__": 8,
+    "checkpoint": 8, "models": 8,
+    "cli": 9, "bench": 9, "__main__": 9,
 }
 PLUGIN_MAY_IMPORT = {"fuelspmd", "fuelspmd.transport", "fuelspmd.errors", "fuelspmd.dtypes",
                      "fuelspmd.backend"}

@@ -47,10 +47,10 @@ _COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different 
                     "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
-# A checked all_reduce that does not meet in the shared-memory header (MPI's own, the
-# hierarchical path) starts with one all_gather of a fixed record per rank: its three check
-# words, then the buffer itself when it holds at most INLINE bytes (one meeting does all).
-# The record's size never depends on the buffer, so ranks that disagree still meet in one
+# A checked collective that does not meet in the shared-memory header starts with one
+# all_gather of a fixed record per rank: its three check words, then a payload of at most
+# INLINE bytes (a small all_reduce, all_gather or broadcast: one meeting does all). The
+# record's size never depends on the buffers, so ranks that disagree still meet in one
 # well-formed exchange, and no data collective is issued before they know they agree.
 INLINE = 512
 _RECORD = 3 + INLINE // 8
@@ -167,13 +167,38 @@ class MPITransport:
         or the path the route gives its size: then complete on return)."""
         return self._all_reduce(buf, op, None)
 
-    def all_reduce_checked(self, buf: Any, op: ReduceOp | str, check: Check) -> Work:
-        """``all_reduce`` whose ranks first compare ``check.words`` (the ``checked``
-        capability): in the shared-memory call's header, else in one fixed-size all_gather
-        that carries a buffer of at most ``INLINE`` bytes along (reduced locally, in rank
-        order, from what every rank sent). No data collective is issued unless every rank's
-        words agree; otherwise every rank raises :class:`Disagreement`."""
-        return self._all_reduce(buf, op, check)
+    def checked(self, check: Check, op: str, *args: Any) -> Work:
+        """The collective ``op(*args)`` whose ranks first compare ``check.words`` (the
+        ``checked`` capability), in one fixed-size all_gather of a record per rank (or the
+        shared-memory call's header) that also carries a payload of at most ``INLINE``
+        bytes: a small all_reduce's buffer (reduced locally, in rank order, from what every
+        rank sent), a small all_gather's block, a small broadcast's root buffer; for those
+        and a barrier, the meeting is the whole collective. No data collective is issued
+        unless every rank's words agree; otherwise every rank raises :class:`Disagreement`."""
+        if op == "all_reduce":
+            return self._all_reduce(args[0], args[1], check)
+        if op == "all_gather":
+            send, recv = args
+            if (send.nbytes <= INLINE and _plain(send, self._move) and _plain(recv, self._move)
+                    and recv.dtype == send.dtype and recv.size == send.size * self.size):
+                rows = self._meet(check, self._next(), "all_gather", send)
+                recv.reshape(-1).view(np.uint8).reshape(self.size, -1)[...] = \
+                    rows[:, :send.nbytes]
+                return DONE
+        elif op == "broadcast":
+            buf, root = args
+            check_peer("broadcast", root, self.size, what="root")
+            if buf.nbytes <= INLINE and _plain(buf, self._move):
+                rows = self._meet(check, self._next(), "broadcast",
+                                  buf if self.rank == root else None)
+                if self.rank != root:
+                    buf.reshape(-1).view(np.uint8)[...] = rows[root, :buf.nbytes]
+                return DONE
+        elif op == "barrier":
+            self._meet(check, self._next(), "barrier")  # no rank leaves before all came
+            return DONE
+        self._meet(check, self._seq, op)
+        return getattr(self, op)(*args)  # type: ignore[no-any-return]
 
     def _all_reduce(self, buf: Any, op: ReduceOp | str, check: Check | None) -> Work:
         if op.__class__ is not ReduceOp:
@@ -186,7 +211,7 @@ class MPITransport:
             check_buffers("all_reduce", self.size, buf)
             if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:
                 if check is not None:  # the host copy is reduced; its words meet first
-                    self._meet(check, self._seq, None)
+                    self._meet(check, self._seq, "all_reduce")
                 return staged
             plan = self._types.plan(buf.dtype, op, "all_reduce")
         seq = self._seq
@@ -200,9 +225,13 @@ class MPITransport:
             if self._shm.all_reduce(buf, op, seq, check):
                 return DONE
             check = None  # over the cap: compared in its header, MPI's own moves the data
-        if check is not None and self._meet(check, seq, buf if buf.nbytes <= INLINE else None,
-                                            op, plan):
-            return DONE
+        if check is not None:
+            if buf.nbytes <= INLINE:
+                flat = buf.reshape(-1)
+                rows = self._meet(check, seq, "all_reduce", flat)
+                local_reduce(rows[:, :flat.nbytes].view(flat.dtype), op, plan, flat)
+                return DONE
+            self._meet(check, seq, "all_reduce")
         if buf.size == 0:
             return DONE
         if algo == "hierarchical" and self._hier is not None:
@@ -221,33 +250,26 @@ class MPITransport:
         return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
-    def _meet(self, check: Check, seq: int, buf: Any = None, op: ReduceOp | None = None,
-              plan: Any = None) -> bool:
-        """All-gather every rank's check words (and ``buf``, of at most ``INLINE`` bytes,
-        when given) in one fixed-size record; raise Disagreement unless they agree. With
-        ``buf``, reduce the gathered buffers into it and return True: the call is done."""
+    def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
+        """All-gather every rank's check words and ``payload`` (a plain array of at most
+        ``INLINE`` bytes, or None) in one fixed-size record; raise Disagreement unless the
+        words agree. Return every rank's payload bytes, a (size, INLINE) uint8 view."""
         bufs, self._records = self._records, None  # a wait that gives up keeps them MPI's
         if bufs is None:
             bufs = (np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64))
         mine, rows = bufs
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
-        if buf is not None:
-            flat = buf.reshape(-1)
-            mine[3:].view(np.uint8)[:flat.nbytes] = flat.view(np.uint8)
+        if payload is not None:
+            mine[3:].view(np.uint8)[:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self._comm.Iallgather(mine, rows)
-        MPIWork(req, self, "all_reduce (check)", seq, keep=bufs).wait(
+        MPIWork(req, self, f"{op} (check)", seq, keep=bufs).wait(
             min(check.timeout, self.timeout), watch=check.watch)
         self._records = bufs
         words = rows[:, :3].tolist()
         if not check.agrees(words):
-            raise Disagreement(f"all_reduce #{seq} on rank {self.rank} of {self.describe()}",
-                               words)
-        if buf is None:
-            return False
-        parts = rows[:, 3:].view(np.uint8)[:, :flat.nbytes].view(flat.dtype)
-        local_reduce(parts, op, plan, flat)  # type: ignore[arg-type]
-        return True
+            raise Disagreement(f"{op} #{seq} on rank {self.rank} of {self.describe()}", words)
+        return rows[:, 3:].view(np.uint8)
 
     def probe(self, peer: int | None, tag: int) -> int | None:
         """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has

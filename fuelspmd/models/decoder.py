@@ -1,0 +1,343 @@
+"""The decoder both reference models are: embeddings, pre-norm blocks, final norm, LM head.
+
+``h = embed(ids) [+ pos(positions)]``; per block ``h += attn(norm1(h))``,
+``h += mlp(norm2(h))``; ``logits = head(norm(h))``. Attention is a
+:class:`~fuelspmd.tensor_parallel.ParallelAttention` (heads over the TP communicator,
+grouped-query, rotary or not), the MLP a :class:`~fuelspmd.tensor_parallel.ParallelMLP`
+(GELU, or SwiGLU when gated), the embedding and head vocabulary-parallel; the head
+all-gathers its vocabulary blocks, so ``model(ids)`` gives the full logits on every rank.
+
+Pipeline. Over a mesh with ``pp`` stages a rank builds only its stage: stage ``s`` holds
+the blocks of :func:`stage_layers` ``[s]`` in a dict keyed by the global layer index, so
+every parameter has the name it has in the whole model (``blocks.5.attn.q.weight``) on
+every layout; the first stage also holds the embeddings, the last the final norm and the
+head. With tied embeddings the last stage keeps its own copy of the table under the same
+name (``embed.weight``), as Megatron does. ``model(x)`` is the stage's forward (ids in on
+the first, hidden states between, logits out of the last): :attr:`Decoder.stages` is what
+a :class:`~fuelspmd.pipeline_parallel.PipelineExecutor` takes.
+
+Hugging Face layout. Each subclass maps a parameter name of ours to a :class:`Source`: the
+Hugging Face tensor, whether it is stored transposed (``nn.Linear``'s ``[out, in]``
+against our ``[in, out]``) and its column offset inside a fused tensor (GPT-2's
+``c_attn`` is ``[Q | K | V]``). Loading reads, per parameter, only this rank's block of the
+source (:meth:`Decoder.load_hf`); saving gathers one parameter at a time to rank 0, which
+streams it into the file (:meth:`Decoder.save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fuelspmd.backend import Device
+from fuelspmd.comm import Communicator
+from fuelspmd.dtypes import DType, to_numpy
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.errors import ConfigError
+from fuelspmd.functional import gelu, silu
+from fuelspmd.nn import Embedding, LayerNorm, Module, Parameter, RMSNorm, Spec
+from fuelspmd.tensor import Tensor, tensor
+from fuelspmd.tensor_parallel import (
+    ParallelAttention,
+    ParallelLMHead,
+    ParallelMLP,
+    VocabParallelEmbedding,
+)
+from fuelspmd.transport import SelfTransport
+
+from .config import Arch, check_layout
+from .generate import greedy
+from .safetensors_io import SafetensorsReader, StreamingWriter, atomic_write_text
+
+__all__ = ["Decoder", "PagedStep", "Source", "stage_layers"]
+
+ACTIVATIONS = {"gelu_tanh": gelu, "gelu": partial(gelu, approximate="none"), "silu": silu}
+
+
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of ``stages`` pipeline stages, sizes differing by at most
+    one (the earlier stages, which also embed, get the smaller share)."""
+    base, extra = divmod(layers, stages)
+    sizes = [base + (s >= stages - extra) for s in range(stages)]
+    bounds = np.cumsum([0, *sizes])
+    return [(int(bounds[s]), int(bounds[s + 1])) for s in range(stages)]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a parameter lives in a Hugging Face file: tensor ``name``, stored as our
+    array transposed or not, at column ``offset`` of a fused tensor."""
+
+    name: str
+    transpose: bool = False
+    offset: int = 0
+
+    def index(self, spec: Spec) -> tuple[slice, ...]:
+        """The slice of the Hugging Face tensor that holds this rank's block of ``spec``."""
+        ours = [slice(*s.indices(n)[:2]) for s, n in zip(spec.local_slice(), spec.full_shape)]
+        if self.transpose:
+            return tuple(reversed(ours))
+        last = ours[-1]
+        return (*ours[:-1], slice(last.start + self.offset, last.stop + self.offset))
+
+    def read(self, reader: SafetensorsReader, spec: Spec) -> np.ndarray:
+        """This rank's block of the parameter, in our layout."""
+        arr = reader.read(self.name, self.index(spec))
+        return arr.T if self.transpose else arr
+
+
+@dataclass
+class PagedStep:
+    """One forward step through a :class:`~fuelspmd.distributed_cache.PagedKVStore`: the
+    block table and first new position of each sequence of the batch."""
+
+    store: Any
+    tables: list[list[int]]
+    starts: list[int]
+
+    def view(self, layer: int) -> Any:
+        return self.store.view(layer, tables=self.tables, starts=self.starts)
+
+    def positions(self, t: int) -> np.ndarray:
+        return np.asarray(self.starts)[:, None] + np.arange(t)[None, :]
+
+
+def _solo(device: Device | str | None) -> Communicator:
+    return Communicator(SelfTransport(), device="cpu" if device is None else device)
+
+
+def _comms(comm: Any, mesh: Any, device: Device | str | None
+           ) -> tuple[Communicator, Communicator, Communicator, int]:
+    """(tp, pp, whole group, dp coordinate) from ``comm`` or ``mesh`` (or neither)."""
+    if comm is not None and mesh is not None:
+        raise ConfigError("models: give comm= (tensor parallel only) or mesh= (tp x pp), "
+                          "not both")
+    if mesh is not None:
+        return mesh.comm("tp"), mesh.comm("pp"), mesh.comm_group, mesh.coord("dp")
+    tpc = _solo(device) if comm is None else comm
+    return tpc, _solo(tpc.device), tpc, 0
+
+
+class Block(Module):
+    """``h + attn(norm1(h))``, then ``+ mlp(norm2(.))``; heads and MLP width over ``comm``."""
+
+    def __init__(self, a: Arch, *, comm: Communicator, seed: int | None, dtype: DType,
+                 device: Device | str) -> None:
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
+
+        def src(k: int) -> dict[str, Any]:
+            return {"empty": True} if seed is None else {"seed": [seed, k]}
+
+        norm = partial(LayerNorm, eps=a.eps) if a.norm == "layer" else partial(RMSNorm,
+                                                                              eps=a.eps)
+        self.norm1 = norm(a.hidden, **kw)
+        self.attn = ParallelAttention(a.hidden, a.heads, comm=comm, kv_heads=a.kv_heads,
+                                      head_dim=a.head_dim, bias=a.bias,
+                                      rope_base=a.rope_theta, **src(0), **kw)
+        self.norm2 = norm(a.hidden, **kw)
+        self.mlp = ParallelMLP(a.hidden, a.ffn, comm=comm, bias=a.bias, gated=a.gated,
+                               activation=ACTIVATIONS[a.activation], **src(1), **kw)
+
+    def forward(self, h: Tensor, *, cache: Any = None) -> Tensor:
+        h = h + self.attn(self.norm1(h), cache=cache)
+        return h + self.mlp(self.norm2(h))
+
+
+class Decoder(Module):
+    """A decoder-only language model over a TP communicator or a tp x pp mesh; see the
+    module docstring. ``seed=None`` builds empty parameters (filled by
+    :func:`~fuelspmd.models.from_pretrained` or ``load_state_dict``), an int random ones."""
+
+    config_class: Any = None
+
+    def __init__(self, config: Any, *, comm: Any = None, mesh: Any = None,
+                 dtype: DType | str | Any = "float32", device: Device | str | None = None,
+                 seed: int | None = None) -> None:
+        if not isinstance(config, self.config_class):
+            raise ConfigError(f"{type(self).__name__}: config must be a "
+                              f"{self.config_class.__name__}, got {type(config).__name__}")
+        a = config.arch
+        tpc, ppc, group, dp_coord = _comms(comm, mesh, device)
+        check_layout(type(self).__name__, a, tpc.size, ppc.size)
+        self.config, self.arch = config, a
+        self.comm, self.pp_comm, self.group, self.dp_coord = tpc, ppc, group, dp_coord
+        self.dtype = as_dtype(dtype)
+        dev = tpc.device if device is None else device
+        self.stage, n = ppc.rank, ppc.size
+        self.first, self.last = self.stage == 0, self.stage == n - 1
+        self.layer_range = stage_layers(a.layers, n)[self.stage]
+        kw: dict[str, Any] = dict(device=dev, dtype=self.dtype)
+
+        def src(*k: int) -> dict[str, Any]:
+            return {"empty": True} if seed is None else {"seed": [seed, *k]}
+
+        if self.first or (self.last and a.tie):
+            self.embed = VocabParallelEmbedding(a.vocab, a.hidden, comm=tpc, **src(0), **kw)
+        if self.first and a.rope_theta is None:
+            self.pos = Embedding(a.max_positions, a.hidden, **src(1), **kw)
+        self.blocks = {str(i): Block(a, comm=tpc, seed=None if seed is None else seed + 1 + i,
+                                     **kw) for i in range(*self.layer_range)}
+        if self.last:
+            self.norm = (LayerNorm(a.hidden, eps=a.eps, **kw) if a.norm == "layer" else
+                         RMSNorm(a.hidden, eps=a.eps, **kw))
+            self.head = ParallelLMHead(a.hidden, a.vocab, comm=tpc, gather_output=True,
+                                       tie=self.embed if a.tie else None,
+                                       **({} if a.tie else src(2)), **kw)
+
+    # ---- forward --------------------------------------------------------------------
+    @property
+    def stages(self) -> list[Module]:
+        """This rank's pipeline stages (one), for a PipelineExecutor."""
+        return [self]
+
+    def forward(self, x: Any, *, kv: PagedStep | None = None, last_token: bool = False
+                ) -> Tensor:
+        """The stage's forward: ids ``(batch, seq)`` (an int array or Tensor) on the first
+        stage, hidden states ``(batch, seq, hidden)`` on the others; the last returns the
+        logits ``(batch, seq, vocab)`` (``last_token``: at the last position only,
+        ``(batch, 1, vocab)``). ``kv``: keys and values through a paged store."""
+        h = x
+        if self.first:
+            ids = x if isinstance(x, Tensor) else tensor(np.asarray(x, dtype=np.int64),
+                                                         device=self.comm.device)
+            t = ids.shape[1]
+            h = self.embed(ids)
+            if self.arch.rope_theta is None:
+                pos = np.arange(t) if kv is None else kv.positions(t)
+                h = h + self.pos(tensor(pos.astype(np.int64), device=ids.device))
+        for key, block in self.blocks.items():
+            h = block(h, cache=None if kv is None else kv.view(int(key)))
+        if self.last:
+            if last_token:
+                h = h[:, h.shape[1] - 1:]
+            h = self.head(self.norm(h))
+        return h
+
+    # ---- generation (the protocol of fuelspmd.models.generate) ------------------------
+    def kv_layout(self) -> tuple[int, int, int, DType]:
+        """(layers, key/value heads this rank stores, head_dim, dtype): the store's shape."""
+        if self.pp_comm.size > 1:
+            raise ConfigError(f"{type(self).__name__}: generation runs on a TP communicator "
+                              f"(pp=1), this model has pp={self.pp_comm.size}; load it "
+                              "with comm= for generation")
+        kv, d = next(iter(self.blocks.values())).attn.cache_heads
+        return self.arch.layers, kv, d, self.dtype
+
+    def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
+             store: Any) -> Tensor:
+        """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``, the tokens
+        at positions ``starts[i]..`` of each sequence, keys and values through ``store``."""
+        b = tokens.shape[0]
+        out = self(tokens, kv=PagedStep(store, tables, starts), last_token=True)
+        return out.reshape(b, self.arch.vocab)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, **kw: Any) -> list[list[int]]:
+        """Greedy tokens of every prompt through a paged KV cache
+        (:func:`fuelspmd.models.greedy`, which takes ``kw``). Collective over ``comm``."""
+        return greedy(self, prompts, new_tokens, **kw).tokens
+
+    # ---- Hugging Face layout --------------------------------------------------------
+    def hf_source(self, name: str) -> Source:
+        """The Hugging Face tensor a parameter name of ours comes from."""
+        raise NotImplementedError
+
+    def _skeleton(self) -> Decoder:
+        """The whole model on one rank, empty: every name and full shape, no data."""
+        return type(self)(self.config, dtype=self.dtype, device=self.comm.device)
+
+    def _owner(self, name: str) -> int:
+        """The pipeline stage that holds parameter ``name``."""
+        if name.startswith("blocks."):
+            i = int(name.split(".")[1])
+            ranges = stage_layers(self.arch.layers, self.pp_comm.size)
+            return next(s for s, (lo, hi) in enumerate(ranges) if lo <= i < hi)
+        return 0 if name.split(".")[0] in ("embed", "pos") else self.pp_comm.size - 1
+
+    def load_hf(self, path: str | os.PathLike[str]) -> None:
+        """Fill every parameter with this rank's block of the Hugging Face weights in
+        ``path``, reading only that block. Tied embeddings: an ``lm_head.weight`` in the
+        file must equal the embedding (checked on this rank's rows, agreed over the group)."""
+        np_dtype = to_numpy(self.dtype)
+        with SafetensorsReader(path) as reader:
+            for name, p in self.named_parameters():
+                p.assign(self.hf_source(name).read(reader, p.spec).astype(np_dtype))
+            head = "lm_head.weight"
+            if self.arch.tie and head in reader:
+                differs = 0.0
+                if hasattr(self, "embed"):
+                    spec, emb = self.embed.weight.spec, self.hf_source("embed.weight")
+                    differs = float(not np.array_equal(Source(head).read(reader, spec),
+                                                       emb.read(reader, spec)))
+                flag = tensor(np.array([differs]), device=self.group.device)
+                if float(self.group.all_reduce(flag, "max").numpy()[0]):
+                    raise ConfigError(f"{type(self).__name__}: tie_word_embeddings is true but "
+                                      f"{head} differs from the embedding in {path}; set "
+                                      "tie_word_embeddings to false to load both")
+
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in Hugging Face's names and
+        layouts, which transformers loads. Collective over the model's group: each
+        parameter is gathered over tp (and sent from its pipeline stage) to rank 0 one at a
+        time, and rank 0 streams it into the file; every rank returns once it is committed."""
+        root = Path(path)
+        writer = self.group.rank == 0
+        names = [(n, p.full_shape) for n, p in self._skeleton().named_parameters()]
+        tensors: dict[str, list[tuple[str, Source]]] = {}
+        for name, _ in names:
+            src = self.hf_source(name)
+            tensors.setdefault(src.name, []).append((name, src))
+        full = dict(names)
+        dt = to_numpy(self.dtype).name
+
+        def hf_shape(parts: list[tuple[str, Source]]) -> tuple[int, ...]:
+            shapes = [full[n][::-1] if s.transpose else full[n] for n, s in parts]
+            return (*shapes[0][:-1], sum(s[-1] for s in shapes))
+
+        if writer:
+            root.mkdir(parents=True, exist_ok=True)
+            cfg = self.config.to_hf()
+            cfg["dtype"] = dt
+            if "torch_dtype" in cfg:
+                cfg["torch_dtype"] = dt
+            atomic_write_text(root / "config.json", json.dumps(cfg, indent=2) + "\n")
+            entries = [(hf, hf_shape(parts), dt) for hf, parts in tensors.items()]
+            out = StreamingWriter(root / "model.safetensors", entries)
+        mine = dict(self.named_parameters())
+        try:
+            for hf, parts in tensors.items():
+                arrays = [self._gather_to_root(n, mine.get(n), full[n]) for n, _ in parts]
+                if writer:
+                    arrays = [a.T if s.transpose else a for a, (_, s) in zip(arrays, parts)]
+                    out.write(hf, np.concatenate(arrays, -1) if len(arrays) > 1 else arrays[0])
+            if writer:
+                out.close()
+        except BaseException:
+            if writer:
+                out.abort()
+            raise
+        self.group.barrier()
+
+    def _gather_to_root(self, name: str, p: Parameter | None, shape: tuple[int, ...]
+                        ) -> np.ndarray | None:
+        """Parameter ``name``'s full array on rank 0 of the group (None elsewhere): gathered
+        over tp on its stage, then summed over pp with zeros from the other stages (exact:
+        x + 0 = x), a collective every stage enters, so none runs ahead of rank 0."""
+        if self.dp_coord != 0:
+            return None
+        arr = None
+        if self.stage == self._owner(name):
+            assert p is not None
+            t: Tensor = p if p.spec.replicated else self.comm.all_gather(p, axis=p.spec.dim)
+            arr = t.numpy()
+        if self.comm.rank != 0:
+            return None
+        if self.pp_comm.size > 1:
+            mine = np.zeros(shape, to_numpy(self.dtype)) if arr is None else arr
+            arr = self.pp_comm.all_reduce(tensor(mine, device=self.comm.device)).numpy()
+        return arr if self.group.rank == 0 else None

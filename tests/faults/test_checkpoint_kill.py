@@ -1,0 +1,113 @@
+"""A save killed anywhere leaves the last committed checkpoint loadable (invariant 8).
+
+Each case is one real job (tests/checkpoint_programs.py ``kill``): it saves version 1 of a
+tp x pp model and its AdamW state to ``run/ck`` (``keep=2``), then starts replacing it by
+version 2 and SIGKILLs one rank at one named point of the save (the points the save's
+``_hook`` is called at: before, between and inside shard writes, around each fsync, the
+index, each rename, ``latest``). Then, in this process at tp 1: ``run/ck`` loads and equals
+version 1 if the kill came before the commit (the rename of the new directory into place),
+version 2 after it; ``checkpoint.latest(run)`` loads too; every temporary directory left
+behind is refused with CheckpointIncompleteError; and a next save succeeds and clears the
+leftovers. Four-rank jobs (tp 2 x pp 2) for some points, two-rank (tp 2) for the rest,
+run two at a time by the first test.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint_programs as cp
+from jobs import Job, mpiexec, needs_mpiexec, run_job
+
+from fuelspmd import checkpoint
+from fuelspmd.comm import Communicator
+from fuelspmd.errors import CheckpointIncompleteError
+from fuelspmd.transport import SelfTransport
+
+pytestmark = [needs_mpiexec, pytest.mark.timeout(600)]  # the first test runs every job
+
+PROGRAM = str(Path(cp.__file__))
+# (ranks, the rank killed, the point (a regex), whether the new checkpoint is committed)
+CASES = [
+    (4, 1, r"^start$", False),
+    (4, 3, r"^agreed$", False),
+    (4, 2, r"half written", False),
+    (4, 0, r"^markers seen$", False),
+    (4, 0, r"^old moved aside$", False),
+    (4, 0, r"^new renamed into place$", True),
+    (2, 1, r"^copied$", False),
+    (2, 1, r"^tmp made$", False),
+    (2, 1, r"^shard opened$", False),
+    (2, 1, r"^shard header written$", False),
+    (2, 1, r"blocks\.2\.fc2\.weight.* half written", False),
+    (2, 0, r"blocks\.3\.norm\.bias.* half written", False),
+    (2, 1, r"^shard flushed$", False),
+    (2, 1, r"^shard fsynced$", False),
+    (2, 1, r"^dir fsynced$", False),
+    (2, 1, r"^marker temp written$", False),
+    (2, 0, r"^marker renamed$", False),
+    (2, 0, r"^index temp written$", False),
+    (2, 0, r"^index renamed$", False),
+    (2, 0, r"^leftover index removed$", True),
+    (2, 0, r"^latest temp written$", True),
+    (2, 0, r"^latest renamed$", True),
+    (2, 0, r"^committed$", True),
+]
+
+
+def _comm() -> Communicator:
+    return Communicator(SelfTransport(), device="cpu:0")
+
+
+def _kill(where: Path, case: tuple[int, int, str, bool]) -> Job:
+    n, rank, at, _ = case
+    tp, pp = (2, 2) if n == 4 else (2, 1)
+    (where / "run").mkdir(parents=True)
+    return run_job(mpiexec(n, sys.executable, PROGRAM, "kill", "--path",
+                           str(where / "run" / "ck"), "--tp", str(tp), "--pp", str(pp),
+                           "--rank", str(rank), "--at", at), deadline=90)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Job]]:
+    """Every case's job, two at a time (their startup dominates); case -> (dir, job)."""
+    base = tmp_path_factory.mktemp("kill")
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {k: pool.submit(_kill, base / str(k), case) for k, case in enumerate(CASES)}
+        return {k: (base / str(k), f.result()) for k, f in jobs.items()}
+
+
+@pytest.mark.parametrize("k", range(len(CASES)),
+                         ids=[f"{n}r-rank{r}-{at.strip('^$')[:24]}" for n, r, at, _ in CASES])
+def test_kill_during_save_leaves_the_committed_checkpoint(
+        killed: dict[int, tuple[Path, Job]], k: int) -> None:
+    _, rank, _, after = CASES[k]
+    where, job = killed[k]
+    run = where / "run"
+    assert job.code != 0 and f"rank {rank} killed at" in job.out, (job.code, job.out, job.err)
+    assert "saved without a kill" not in job.out
+    want = 2 if after else 1
+    assert cp.load_state(_comm(), str(run / "ck"), 1) == (want, 84)
+    found = checkpoint.latest(run)
+    assert found is not None and cp.load_state(_comm(), str(found), 1)[0] == want
+    left = sorted(run.glob("ck.tmp-*"))
+    for partial in left:
+        with pytest.raises(CheckpointIncompleteError, match=r"never committed|temporary name"):
+            cp.load_state(_comm(), str(partial), 1)
+    cp.save_state(_comm(), str(run / "ck"), 1, 1, False, 3, keep=2)
+    assert sorted(p.name for p in run.iterdir()) == ["ck", "latest"]
+    assert cp.load_state(_comm(), str(run / "ck"), 1)[0] == 3
+
+
+def test_a_partial_checkpoint_is_refused_naming_what_is_missing(tmp_path: Path) -> None:
+    cp.save_state(_comm(), str(tmp_path / "ck"), 1, 1, False)
+    (tmp_path / "ck" / "index.json").unlink()
+    with pytest.raises(CheckpointIncompleteError, match=r"no index\.json.*shard-00000"):
+        cp.load_state(_comm(), str(tmp_path / "ck"), 1)
+    with pytest.raises(CheckpointIncompleteError, match="no checkpoint at"):
+        cp.load_state(_comm(), str(tmp_path / "nothing"), 1)

@@ -24,9 +24,26 @@ from fuelspmd.dtypes import float64, to_numpy
 from fuelspmd.errors import ConfigError, DTypeError, IndexRangeError, ShapeError
 from fuelspmd.tensor import Tensor, concat, host, tensor, where
 
-__all__ = ["ce_checks", "check_range", "check_values", "cross_entropy", "embedding", "gelu",
-           "layer_norm", "log_softmax", "mse_loss", "relu", "rms_norm", "rope", "rope_tables",
-           "silu", "smoothed_nll", "softmax"]
+__all__ = [
+    "CheckedIds",
+    "ce_checks",
+    "check_range",
+    "check_values",
+    "cross_entropy",
+    "embedding",
+    "gelu",
+    "kept_scale",
+    "layer_norm",
+    "log_softmax",
+    "mse_loss",
+    "relu",
+    "rms_norm",
+    "rope",
+    "rope_tables",
+    "silu",
+    "smoothed_nll",
+    "softmax",
+]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -113,19 +130,14 @@ def ce_checks(op: str, logits: Tensor, targets: Tensor, label_smoothing: float) 
         raise ConfigError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
 
 
-def smoothed_nll(nll: Tensor, smooth: Tensor, keep: np.ndarray, label_smoothing: float
-                 ) -> Tensor:
-    """torch's reduction: mean over kept rows of (1-ε)·nll + ε·smooth, where smooth is
-    the mean over classes of -log p (nan when no row is kept, as torch)."""
-    loss = _mix(nll, smooth, label_smoothing)
-    kept = int(keep.sum())
-    w = tensor(keep.astype(to_numpy(nll.dtype)), device=nll.device)
-    return (loss * w).sum() * (1.0 / kept if kept else math.nan)
-
-
-def _mix(nll: Tensor, smooth: Tensor, label_smoothing: float) -> Tensor:
-    return nll if label_smoothing == 0.0 else \
+def smoothed_nll(nll: Tensor, smooth: Tensor, keep: Tensor, scale: Tensor,
+                 label_smoothing: float) -> Tensor:
+    """torch's reduction: the mean over kept rows of (1-ε)·nll + ε·smooth, where smooth is
+    the mean over classes of -log p. ``keep``: 1 for a kept row, 0 else (the rows' dtype);
+    ``scale``: 0-d float64, 1 / kept rows (nan when none is kept, as torch)."""
+    loss = nll if label_smoothing == 0.0 else \
         (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return (loss * keep).sum() * scale.astype(nll.dtype)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
@@ -149,7 +161,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
     smooth = -logp.mean(-1) if label_smoothing else nll
     keep = host(replace(table, part="keep"), targets, shape=(n,), dtype=nll.dtype)
     scale = host(replace(table, part="scale"), targets, shape=(), dtype=float64)
-    return (_mix(nll, smooth, label_smoothing) * keep).sum() * scale.astype(nll.dtype)
+    return smoothed_nll(nll, smooth, keep, scale, label_smoothing)
 
 
 @dataclass(frozen=True)
@@ -171,12 +183,17 @@ class _Targets:
             return np.arange(t.size, dtype=np.int64) * self.classes + np.where(keep, t, 0)
         if self.part == "keep":
             return keep
-        kept = int(keep.sum())
-        return np.asarray(1.0 / kept if kept else math.nan)
+        return kept_scale(keep)
+
+
+def kept_scale(keep: np.ndarray) -> np.ndarray:
+    """1 / the number of kept rows as a 0-d float64 array (nan when none is)."""
+    kept = int(keep.sum())
+    return np.asarray(1.0 / kept if kept else math.nan)
 
 
 @dataclass(frozen=True)
-class _Ids:
+class CheckedIds:
     """Embedding ids, checked on the host (an ``fs.host`` function)."""
 
     op: str
@@ -201,7 +218,7 @@ def embedding(indices: Tensor, weight: Tensor) -> Tensor:
         raise ShapeError(f"embedding: weight must be (V, D), got {weight.shape}")
     if not indices.dtype.is_integer:
         raise DTypeError(f"embedding: ids must be integers, got {indices.dtype}")
-    ids = host(_Ids("embedding", weight.shape[0]), indices, shape=indices.shape,
+    ids = host(CheckedIds("embedding", weight.shape[0]), indices, shape=indices.shape,
                dtype=indices.dtype)
     return weight.take(ids, 0)
 

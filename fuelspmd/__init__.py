@@ -60,6 +60,8 @@ _LAZY = {
     "split": "fuelspmd.tensor",
     "where": "fuelspmd.tensor",
     "realize": "fuelspmd.tensor",
+    "host": "fuelspmd.tensor",
+    "compile": "fuelspmd.compile",
     "grad": "fuelspmd.autograd",
     "vjp": "fuelspmd.autograd",
     "Communicator": "fuelspmd.comm",

@@ -4,26 +4,46 @@ primitives' vjps, so nothing here has a backward of its own.
 ``gelu(approximate="none")`` uses the ``erf`` primitive (fdlibm's approximation, under one
 ulp in float64; its vjp is the exact 2/sqrt(pi)·exp(-x²)).
 
-Integer class targets and embedding ids are checked on the host before any node is built
-(:func:`check_range`): an index outside ``[0, size)`` would otherwise read a neighbouring
-row silently or fail inside numpy at run time. Targets are data every rank holds alike,
-so every rank raises the same :class:`~fuelspmd.errors.IndexRangeError`.
+Integer class targets and embedding ids are checked on the host (:func:`check_values`):
+an index outside ``[0, size)`` would otherwise read a neighbouring row silently or fail
+inside numpy at run time. Targets are data every rank holds alike, so every rank raises
+the same :class:`~fuelspmd.errors.IndexRangeError`. ``embedding`` and ``cross_entropy``
+do it, and build their index tables, through :func:`fuelspmd.tensor.host`: before any
+node is built in an uncompiled step, and on every call of a compiled one (``fs.compile``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from fuelspmd.dtypes import to_numpy
+from fuelspmd.dtypes import float64, to_numpy
 from fuelspmd.errors import ConfigError, DTypeError, IndexRangeError, ShapeError
-from fuelspmd.tensor import Tensor, concat, tensor, where
+from fuelspmd.tensor import Tensor, concat, host, tensor, where
 
-__all__ = ["ce_checks", "check_range", "cross_entropy", "embedding", "gelu", "layer_norm",
-           "log_softmax", "mse_loss", "relu", "rms_norm", "rope", "rope_tables", "silu",
-           "smoothed_nll", "softmax"]
+__all__ = [
+    "CheckedIds",
+    "ce_checks",
+    "check_range",
+    "check_values",
+    "cross_entropy",
+    "embedding",
+    "gelu",
+    "kept_scale",
+    "layer_norm",
+    "log_softmax",
+    "mse_loss",
+    "relu",
+    "rms_norm",
+    "rope",
+    "rope_tables",
+    "silu",
+    "smoothed_nll",
+    "softmax",
+]
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -81,7 +101,13 @@ def check_range(op: str, indices: Tensor, size: int, *, what: str = "index",
     value outside ``[0, size)`` (other than ``ignore_index``), its position and the count."""
     if not indices.dtype.is_integer:
         raise DTypeError(f"{op}: {what}s must be integers, got {indices.dtype}")
-    host = np.asarray(indices.numpy())
+    return check_values(op, np.asarray(indices.numpy()), size, what=what,
+                        ignore_index=ignore_index)
+
+
+def check_values(op: str, host: np.ndarray, size: int, *, what: str = "index",
+                 ignore_index: int | None = None) -> np.ndarray:
+    """:func:`check_range` of host values ``host``; returns them."""
     bad = (host < 0) | (host >= size)
     if ignore_index is not None:
         bad &= host != ignore_index
@@ -104,15 +130,14 @@ def ce_checks(op: str, logits: Tensor, targets: Tensor, label_smoothing: float) 
         raise ConfigError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
 
 
-def smoothed_nll(nll: Tensor, smooth: Tensor, keep: np.ndarray, label_smoothing: float
-                 ) -> Tensor:
-    """torch's reduction: mean over kept rows of (1-ε)·nll + ε·smooth, where smooth is
-    the mean over classes of -log p (nan when no row is kept, as torch)."""
+def smoothed_nll(nll: Tensor, smooth: Tensor, keep: Tensor, scale: Tensor,
+                 label_smoothing: float) -> Tensor:
+    """torch's reduction: the mean over kept rows of (1-ε)·nll + ε·smooth, where smooth is
+    the mean over classes of -log p. ``keep``: 1 for a kept row, 0 else (the rows' dtype);
+    ``scale``: 0-d float64, 1 / kept rows (nan when none is kept, as torch)."""
     loss = nll if label_smoothing == 0.0 else \
         (1.0 - label_smoothing) * nll + label_smoothing * smooth
-    kept = int(keep.sum())
-    w = tensor(keep.astype(to_numpy(nll.dtype)), device=nll.device)
-    return (loss * w).sum() * (1.0 / kept if kept else math.nan)
+    return (loss * keep).sum() * scale.astype(nll.dtype)
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
@@ -125,15 +150,57 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100,
     """
     op = "cross_entropy"
     ce_checks(op, logits, targets, label_smoothing)
+    if not targets.dtype.is_integer:
+        raise DTypeError(f"{op}: targets must be integers, got {targets.dtype}")
     c = logits.shape[-1]
-    host = check_range(op, targets, c, what="target", ignore_index=ignore_index).reshape(-1)
-    n = host.size
-    keep = host != ignore_index
-    idx = np.arange(n, dtype=np.int64) * c + np.where(keep, host, 0)
+    n = targets.size
+    table = _Targets(op, c, ignore_index, "index")
+    idx = host(table, targets, shape=(n,), dtype="int64")
     logp = log_softmax(logits.reshape(n, c), -1)
-    nll = -logp.reshape(n * c).take(tensor(idx, device=logits.device), 0)
+    nll = -logp.reshape(n * c).take(idx, 0)
     smooth = -logp.mean(-1) if label_smoothing else nll
-    return smoothed_nll(nll, smooth, keep, label_smoothing)
+    keep = host(replace(table, part="keep"), targets, shape=(n,), dtype=nll.dtype)
+    scale = host(replace(table, part="scale"), targets, shape=(), dtype=float64)
+    return smoothed_nll(nll, smooth, keep, scale, label_smoothing)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """A cross-entropy's tables from its checked host targets (``fs.host`` functions,
+    equal from step to step): ``index`` row·C + target (0 for ignored rows), ``keep`` 1 for
+    kept rows, ``scale`` 1 / kept rows (nan with none, as torch)."""
+
+    op: str
+    classes: int
+    ignore_index: int
+    part: str
+
+    def __call__(self, targets: np.ndarray) -> np.ndarray:
+        t = check_values(self.op, targets, self.classes, what="target",
+                         ignore_index=self.ignore_index).reshape(-1)
+        keep = t != self.ignore_index
+        if self.part == "index":
+            return np.arange(t.size, dtype=np.int64) * self.classes + np.where(keep, t, 0)
+        if self.part == "keep":
+            return keep
+        return kept_scale(keep)
+
+
+def kept_scale(keep: np.ndarray) -> np.ndarray:
+    """1 / the number of kept rows as a 0-d float64 array (nan when none is)."""
+    kept = int(keep.sum())
+    return np.asarray(1.0 / kept if kept else math.nan)
+
+
+@dataclass(frozen=True)
+class CheckedIds:
+    """Embedding ids, checked on the host (an ``fs.host`` function)."""
+
+    op: str
+    size: int
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        return check_values(self.op, ids, self.size, what="id")
 
 
 def mse_loss(pred: Tensor, target: Tensor) -> Tensor:
@@ -149,8 +216,11 @@ def embedding(indices: Tensor, weight: Tensor) -> Tensor:
     """weight[indices]: rows of a (V, D) table for integer indices of any shape."""
     if weight.ndim != 2:
         raise ShapeError(f"embedding: weight must be (V, D), got {weight.shape}")
-    check_range("embedding", indices, weight.shape[0], what="id")
-    return weight.take(indices, 0)
+    if not indices.dtype.is_integer:
+        raise DTypeError(f"embedding: ids must be integers, got {indices.dtype}")
+    ids = host(CheckedIds("embedding", weight.shape[0]), indices, shape=indices.shape,
+               dtype=indices.dtype)
+    return weight.take(ids, 0)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:

@@ -31,9 +31,10 @@ from fuelspmd.dtypes import (
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.graph import build as B
-from fuelspmd.graph.node import Node, canonical
+from fuelspmd.graph.host import HostCall, call_host
+from fuelspmd.graph.node import TRACE, Node, canonical
 
-__all__ = ["Tensor", "arange", "concat", "ones", "randn", "realize", "split", "tensor",
+__all__ = ["Tensor", "arange", "concat", "host", "ones", "randn", "realize", "split", "tensor",
            "where", "zeros"]
 
 Operand = Any  # Tensor | float | int | bool
@@ -94,6 +95,9 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """Realise and return the value as a numpy array (on the host)."""
+        rec = TRACE.recorder
+        if rec is not None:  # inside a compiled step's trace: the value would be baked
+            rec.host_read(self)
         self.realize()
         return to_host(self.node.buffer)
 
@@ -434,6 +438,27 @@ def split(t: Tensor, n: int | Sequence[int], axis: int = 0) -> list[Tensor]:
 def where(cond: Tensor, a: Operand, b: Operand) -> Tensor:
     """``a`` where ``cond`` holds, else ``b``, broadcast together."""
     return Tensor(B.where(cond.node, _node(a), _node(b)))
+
+
+def host(fn: Any, *inputs: Tensor, shape: int | Sequence[int], dtype: DType | str,
+         device: Device | str | None = None) -> Tensor:
+    """``fn(*host arrays of inputs)`` as a tensor of ``shape`` and ``dtype`` on ``device``
+    (the first input's, or the default device).
+
+    Python that must run on every step, compiled or not: computed at once when every
+    input is realised and no compiled step is being traced (an error ``fn`` raises comes
+    from here), else a ``host`` node computed when the graph runs, so a step compiled by
+    ``fs.compile`` calls ``fn`` again on every replay. ``fn`` must compare equal from call
+    to call (a bound method, a frozen dataclass), or each step's graph is a new one.
+    """
+    dev = canonical(as_device(device if device is not None else
+                              inputs[0].device if inputs else None))
+    attrs = HostCall(fn, _shape(shape), as_dtype(dtype), dev)
+    nodes = tuple(t.node for t in inputs)
+    if TRACE.recorder is None and all(n.buffer is not None for n in nodes):
+        out = call_host(attrs, [to_host(n.buffer) for n in nodes])
+        return Tensor(graph.leaf(get_backend(dev.kind).from_host(out, dev), dev))
+    return Tensor(graph.make("host", nodes, attrs))
 
 
 def realize(*tensors: Tensor) -> tuple[Tensor, ...]:

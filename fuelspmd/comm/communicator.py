@@ -141,6 +141,13 @@ class Communicator:
         if self._done == self._built:
             self._tail = None
 
+    def _replaying(self, k: int) -> None:
+        """A compiled step's replay is about to issue ``k`` collectives it did not build:
+        issue those built before (creation order), and count the ``k`` as built."""
+        if self._tail is not None and self._tail.buffer is None:
+            realize(Tensor(self._tail))
+        self._built += k
+
     def _token(self, dt: DType) -> Tensor:
         return Tensor(const(0, (), dt, self.device))
 

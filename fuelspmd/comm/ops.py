@@ -132,7 +132,8 @@ def _collective(name: str, rule: Callable[..., Rule], start: Callable[..., Pendi
                 bucket: Callable[..., Pending] | None = None) -> Op:
     return register(Op(name, rule, _kernel(start), vjp, inplace_ok=(0,) if inplace else None,
                        effectful=True, serial=serial, start=start, bucket=bucket,
-                       bucket_bytes=(lambda attrs: attrs.comm.bucket_bytes) if bucket else None))
+                       bucket_bytes=(lambda attrs: attrs.comm.bucket_bytes) if bucket else None,
+                       replay=lambda attrs, count: attrs.comm._replaying(count)))
 
 
 # ---- staging ------------------------------------------------------------------------------

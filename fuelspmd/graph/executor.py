@@ -29,11 +29,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from .node import Node, consume, finish
+from .node import TRACE, Node, consume, finish
 from .passes import lower, optimise
 from .plan import Memory, Plan, make_plan
 
-__all__ = ["Binding", "Executor", "PlanCache", "default_executor", "realize"]
+__all__ = ["Binding", "Executor", "PlanCache", "default_executor", "realize", "recording"]
 
 _MARKS = itertools.count(1)  # one per binding walk (see Binding.bind)
 
@@ -213,7 +213,11 @@ class Executor:
         vals: list[Any] = [None] * plan.n_values
         for s, v in binding.feeds:
             vals[v] = bound[s].buffer
-        self._execute(plan, vals)
+        rec = TRACE.recorder
+        if rec is not None:  # a compiled step is being traced: report the plan and its nodes
+            rec.ran(plan, [bound[s] for s, _ in binding.feeds],
+                    targets + [bound[s] for s in binding.effects], binding.donated)
+        self.execute(plan, vals)
         for s in binding.donated:
             consume(bound[s])
         outs = [plan.copy_preset(o) for o in plan.outs] if plan.presets else None
@@ -242,12 +246,19 @@ class Executor:
         for slot, node in zip(plan.leaf_slots, leaves):
             if slot >= 0:
                 vals[slot] = node.buffer
-        self._execute(plan, vals)
-        # a folded constant belongs to the plan: hand out a copy the caller may modify
-        return [vals[o] if (c := plan.copy_preset(o) if plan.presets else None) is None else c
-                for o in plan.outs]
+        return self.run_values(plan, vals)
 
-    def _execute(self, plan: Plan, vals: list[Any]) -> None:
+    def run_values(self, plan: Plan, vals: list[Any]) -> list[Any]:
+        """Execute ``plan`` over ``vals`` (the leaves' buffers already in their value slots,
+        as ``plan.binding.feeds`` places them); return the outputs: the targets, then the
+        effectful nodes. No node is read or made (a compiled step's replay)."""
+        self.execute(plan, vals)
+        if not plan.presets:
+            return [vals[o] for o in plan.outs]
+        # a folded constant belongs to the plan: hand out a copy the caller may modify
+        return [vals[o] if (c := plan.copy_preset(o)) is None else c for o in plan.outs]
+
+    def execute(self, plan: Plan, vals: list[Any]) -> None:
         """Run ``plan``'s steps over ``vals`` (its leaves' buffers in their slots)."""
         for slot, arr, _ in plan.presets:
             vals[slot] = arr
@@ -278,3 +289,15 @@ def default_executor() -> Executor:
 def realize(nodes: Iterable[Node]) -> None:
     """Realise ``nodes`` as one graph on the default executor."""
     default_executor().realize(nodes)
+
+
+def recording(recorder: Any) -> Any:
+    """Make ``recorder`` this thread's trace recorder (None: stop); return the previous one.
+
+    While one is set, every realise reports ``recorder.ran(plan, feeds, outputs, donated)``
+    (the leaf nodes it read in ``binding.feeds`` order, the nodes it realised: targets then
+    effectful nodes, and the binding's donated slots) before it runs, and every leaf made
+    reports ``recorder.made(node)``: what ``fs.compile`` needs to replay the step."""
+    previous = TRACE.recorder
+    TRACE.recorder = recorder
+    return previous

@@ -11,6 +11,7 @@ planned (:func:`~fuelspmd.graph.passes.optimise`), once per structure, not per n
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from fuelspmd.backend import Device
@@ -20,8 +21,20 @@ from fuelspmd.errors import ConfigError, DeviceError
 
 from .op import Attrs, Fill, Op, get_op
 
-__all__ = ["Node", "array_dtype", "canonical", "check_live", "const", "consume", "finish", "leaf",
-           "make", "mark_realised", "post"]
+__all__ = ["TRACE", "Node", "array_dtype", "canonical", "check_live", "const", "consume", "finish",
+           "leaf", "make", "mark_realised", "post"]
+
+
+class _Trace(threading.local):
+    """The recorder of the compiled step being traced on this thread (``fs.compile``), or
+    None: :func:`leaf` reports the leaves made during a trace (the trace's constants) and
+    the executor each plan it runs. Per thread, as each device of a DeviceGroup traces its
+    own step."""
+
+    recorder: Any = None
+
+
+TRACE = _Trace()
 
 
 class Node:
@@ -81,8 +94,12 @@ def canonical(device: Device) -> Device:
 
 def leaf(buffer: Any, device: Device) -> Node:
     """Return a realised node holding ``buffer`` (an array of ``device``'s library)."""
-    return Node(get_op("leaf"), (), (), tuple(int(d) for d in buffer.shape),
+    node = Node(get_op("leaf"), (), (), tuple(int(d) for d in buffer.shape),
                 array_dtype(buffer), canonical(device), buffer)
+    rec = TRACE.recorder
+    if rec is not None:
+        rec.made(node)
+    return node
 
 
 def const(value: float | int | bool, shape: Shape, dt: DType, device: Device) -> Node:

@@ -23,7 +23,9 @@ collective) has one operation per stream in flight at a time; point-to-point ops
 wait for each other. One with a ``bucket(backend, attrs, arrays, shapes, total)`` kernel
 may have consecutive nodes of equal attributes (of these shapes, ``total`` elements in
 all) issued as one call of at most ``bucket_bytes(attrs)`` bytes, whose ``finish()`` gives
-the list of results.
+the list of results. ``replay(attrs, count)`` is called before a compiled step's replay
+(``fs.compile``) issues ``count`` of them on that stream without building their nodes, so
+the stream can issue what it built before (creation order) and count them.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Op:
     start: Callable[..., Any] | None = None
     bucket: Callable[..., Any] | None = None
     bucket_bytes: Callable[[Attrs], int] | None = None
+    replay: Callable[[Attrs, int], None] | None = None
 
     @property
     def fusable(self) -> bool:

@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.dtypes import DType, float32
+from fuelspmd.dtypes import DType, float32, float64
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.nn import Parameter
 from fuelspmd.optim.schedules import Schedule, as_schedule
-from fuelspmd.tensor import Tensor, realize, tensor, zeros
+from fuelspmd.tensor import Tensor, host, realize, tensor, zeros
 
-__all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype"]
+__all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype", "per_dtype"]
 
 State = dict[str, Tensor]
 # (parameter index, state name, flat start, flat stop) -> those values of the saved state
@@ -56,6 +56,19 @@ def check_grads(owner: str, params: Sequence[Tensor], grads: Sequence[Tensor]) -
     if bad:
         raise ShapeError(f"{owner}: gradients of the wrong shape ({'; '.join(bad)}); give "
                          "the gradient of each local shard")
+
+
+def per_dtype(coefs: Tensor) -> Callable[[DType], list[Tensor]]:
+    """``dtype -> [0-d tensors]``: the float64 coefficients cast to a dtype once each."""
+    cast: dict[DType, list[Tensor]] = {}
+
+    def get(dt: DType) -> list[Tensor]:
+        found = cast.get(dt)
+        if found is None:
+            c = coefs.astype(dt)
+            found = cast[dt] = [c[j] for j in range(c.shape[0])]
+        return found
+    return get
 
 
 def _params(owner: str, params: Sequence[Any]) -> list[Parameter]:
@@ -114,16 +127,36 @@ class Optimizer:
         """The state of a tensor like ``w`` before its first step."""
         return {}
 
-    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+    def coefficients(self, lr: float, step: int) -> tuple[float, ...]:
+        """The numbers of step ``step`` (from 1) that change from step to step, computed
+        in Python floats; :meth:`update` receives them as 0-d tensors of its dtype."""
+        return (-lr,)
+
+    def update(self, w: Tensor, g: Tensor, state: State, *, coef: Sequence[Tensor]
                ) -> tuple[Tensor, State]:
-        """The new value of ``w`` and its state after one step (``step`` counts from 1)."""
+        """The new value of ``w`` and its state after one step (``coef``: the step's
+        :meth:`coefficients` as 0-d tensors of ``w``'s dtype)."""
         raise NotImplementedError
 
     # ---- a step ----------------------------------------------------------------------
+    def next_coefficients(self, device: Any) -> Tensor:
+        """The next step's :meth:`coefficients` as a float64 tensor on ``device``;
+        computing them counts the step. Through ``fs.host``: at once in an uncompiled
+        step, on every call of a compiled one (``fs.compile``), which would otherwise bake
+        the first step's learning rate and bias corrections into every replay."""
+        n = len(self.coefficients(0.0, 1))
+        return host(self._advance, shape=(n,), dtype=float64, device=device)
+
+    def _advance(self) -> np.ndarray:
+        t = self.steps + 1
+        c = self.coefficients(float(self.schedule(self.steps)), t)
+        self.steps = t
+        return np.asarray(c, dtype=np.float64)
+
     def step(self, grads: Sequence[Tensor]) -> None:
         """Update every parameter in place from its gradient (one realised graph)."""
         check_grads(f"{type(self).__name__}.step", self.params, grads)
-        lr, t = self.lr, self.steps + 1
+        coefs = per_dtype(self.next_coefficients(self.params[0].device))
         news: list[Tensor] = []
         for i, (p, g) in enumerate(zip(self.params, grads)):
             w = self.master[i]
@@ -131,7 +164,7 @@ class Optimizer:
                 w = Tensor(p.node).astype(master_dtype(p.dtype))
             g = g if g.dtype == w.dtype else g.astype(w.dtype)
             w, self.state[i] = self.update(w, g, self.state[i] or self.init_state(w),
-                                           lr=lr, step=t)
+                                           coef=coefs(w.dtype))
             if w.dtype != p.dtype:
                 self.master[i] = w
             news.append(w)
@@ -140,7 +173,6 @@ class Optimizer:
         realize(*cast, *news, *(v for st in self.state for v in st.values()))
         for p, w in zip(self.params, cast):
             p.assign(w)
-        self.steps = t
 
     # ---- state -----------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -229,8 +261,9 @@ class SGD(Optimizer):
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
 
-    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+    def update(self, w: Tensor, g: Tensor, state: State, *, coef: Sequence[Tensor]
                ) -> tuple[Tensor, State]:
+        (neg_lr,) = coef
         if self.weight_decay:
             g = g + w * self.weight_decay
         if self.momentum:
@@ -238,7 +271,7 @@ class SGD(Optimizer):
             buf = g if buf is None else buf * self.momentum + g * (1 - self.dampening)
             state = {"momentum": buf}
             g = g + buf * self.momentum if self.nesterov else buf
-        return w + g * (-lr), state
+        return w + g * neg_lr, state
 
 
 class AdamW(Optimizer):
@@ -264,15 +297,20 @@ class AdamW(Optimizer):
         z = zeros(w.shape, device=w.device, dtype=w.dtype)
         return {"exp_avg": z, "exp_avg_sq": z}
 
-    def update(self, w: Tensor, g: Tensor, state: State, *, lr: float, step: int
+    def coefficients(self, lr: float, step: int) -> tuple[float, ...]:
+        """``1 - lr wd``, ``-lr / (1 - b1^t)``, ``sqrt(1 - b2^t)``: torch's Python floats."""
+        b1, b2 = self.betas
+        return (1 - lr * self.weight_decay, -(lr / (1 - b1 ** step)), math.sqrt(1 - b2 ** step))
+
+    def update(self, w: Tensor, g: Tensor, state: State, *, coef: Sequence[Tensor]
                ) -> tuple[Tensor, State]:
         b1, b2 = self.betas
+        decay, neg_step_size, bias2_sqrt = coef
         if self.weight_decay:
-            w = w * (1 - lr * self.weight_decay)
+            w = w * decay
         m, v = state["exp_avg"], state["exp_avg_sq"]
         weight = 1 - b1  # torch's lerp, both of its branches
         m = m + (g - m) * weight if abs(weight) < 0.5 else g - (g - m) * (1 - weight)
         v = v * b2 + g * (1 - b2) * g
-        step_size = lr / (1 - b1 ** step)
-        denom = v.sqrt() / math.sqrt(1 - b2 ** step) + self.eps
-        return w + m * (-step_size) / denom, {"exp_avg": m, "exp_avg_sq": v}
+        denom = v.sqrt() / bias2_sqrt + self.eps
+        return w + m * neg_step_size / denom, {"exp_avg": m, "exp_avg_sq": v}

@@ -44,6 +44,7 @@ from fuelspmd.optim.optimizer import (
     State,
     check_grads,
     master_dtype,
+    per_dtype,
 )
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
 from fuelspmd.tensor import Tensor, concat, realize, tensor, zeros
@@ -199,7 +200,7 @@ class ZeRO1:
             gs = [g for j, (a, z) in enumerate(zip(self.starts, ends))
                   for g in self.reduce(j, grads[a:z])]
         opt = self.inner
-        lr, t = opt.lr, opt.steps + 1
+        coefs = per_dtype(opt.next_coefficients(params[0].device))
         for k, b in enumerate(self.buckets):
             if self.shards[k] is None:
                 whole = self._flat(b, [Tensor(params[i].node).astype(master_dtype(b.dtype))
@@ -219,8 +220,8 @@ class ZeRO1:
         for k, (b, g) in enumerate(zip(self.buckets, gs)):
             w = self.shards[k]
             assert w is not None
-            w, self.state[k] = opt.update(w, g, self.state[k] or opt.init_state(w), lr=lr,
-                                          step=t)
+            w, self.state[k] = opt.update(w, g, self.state[k] or opt.init_state(w),
+                                          coef=coefs(w.dtype))
             # a 16-bit bucket keeps its float32 slice; any other is its parameters' own
             # values after the all-gather, cut again at the next step (no second copy)
             self.shards[k] = w if w.dtype != b.dtype else None
@@ -233,7 +234,6 @@ class ZeRO1:
                 *(v for st in self.state for v in st.values()))
         for i, v in news:
             params[i].assign(v)
-        opt.steps = t
         return norm
 
     # ---- state -----------------------------------------------------------------------

@@ -23,17 +23,18 @@ smoothing: the smoothing term is ``lse_i - mean_j (Z[i, j] - m_i)``). Rows whose
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from fuelspmd.backend import Device
-from fuelspmd.dtypes import DType, int64, to_numpy
+from fuelspmd.dtypes import DType, float64, int64
 from fuelspmd.dtypes import dtype as as_dtype
-from fuelspmd.errors import ShapeError
-from fuelspmd.functional import ce_checks, check_range, smoothed_nll
+from fuelspmd.errors import DTypeError, ShapeError
+from fuelspmd.functional import CheckedIds, ce_checks, check_values, kept_scale, smoothed_nll
 from fuelspmd.nn import Module, Spec, full_arrays, make_parameter, seeded_weight, weight_source
-from fuelspmd.tensor import Tensor, tensor, where
+from fuelspmd.tensor import Tensor, host, where
 
 from .layers import AXIS, check_divides
 from .mappings import copy_to_tp, gather_from_tp, reduce_from_tp
@@ -70,13 +71,34 @@ class VocabParallelEmbedding(Module):
         self.lo, self.hi = comm.rank * k, (comm.rank + 1) * k
 
     def forward(self, ids: Tensor) -> Tensor:
-        host = check_range("VocabParallelEmbedding", ids, self.vocab, what="id")
+        if not ids.dtype.is_integer:
+            raise DTypeError(f"VocabParallelEmbedding: ids must be integers, got {ids.dtype}")
+        checked = CheckedIds("VocabParallelEmbedding", self.vocab)
         if self.comm.size == 1:
-            return self.weight.take(ids, 0)
-        mine = (host >= self.lo) & (host < self.hi)
-        local = tensor(np.where(mine, host - self.lo, 0).astype(np.int64), device=ids.device)
-        keep = tensor(mine.astype(to_numpy(self.dtype))[..., None], device=ids.device)
+            return self.weight.take(host(checked, ids, shape=ids.shape, dtype=ids.dtype), 0)
+        rows = _Rows(checked, self.lo, self.hi, "local")
+        local = host(rows, ids, shape=ids.shape, dtype=int64)
+        keep = host(replace(rows, part="keep"), ids, shape=(*ids.shape, 1), dtype=self.dtype)
         return reduce_from_tp(self.weight.take(local, 0) * keep, comm=self.comm)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """This rank's rows ``lo..hi`` of the table for checked host ids (``fs.host``
+    functions, run on every call of a compiled step): ``local`` the row index (0 for ids
+    of other ranks), ``keep`` 1 for ids of this rank, as ``(..., 1)``."""
+
+    checked: CheckedIds
+    lo: int
+    hi: int
+    part: str
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        host_ids = self.checked(ids)
+        mine = (host_ids >= self.lo) & (host_ids < self.hi)
+        if self.part == "local":
+            return np.where(mine, host_ids - self.lo, 0)
+        return mine[..., None]
 
 
 class ParallelLMHead(Module):
@@ -117,23 +139,53 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, *, comm: Any,
     [0, V) or ``ignore_index``, the same on every rank. Returns the replicated loss."""
     op = "vocab_parallel_cross_entropy"
     ce_checks(op, logits, targets, label_smoothing)
+    if not targets.dtype.is_integer:
+        raise DTypeError(f"{op}: targets must be integers, got {targets.dtype}")
     k = logits.shape[-1]
-    host = check_range(op, targets, k * comm.size, what="target",
-                       ignore_index=ignore_index).reshape(-1)
-    n = host.size
-    keep = host != ignore_index
+    n = targets.size
+    table = _Targets(op, k, comm.rank, comm.size, ignore_index, "index")
     z = logits.reshape(n, k)
     local_max = z.max(-1, keepdims=True).detach()
     shifted = z - comm.all_reduce(local_max, "max").detach()
     lse = reduce_from_tp(shifted.exp().sum(-1), comm=comm).log()
-    lo = comm.rank * k
-    mine = keep & (host >= lo) & (host < lo + k)
-    idx = np.arange(n, dtype=np.int64) * k + np.where(mine, host - lo, 0)
-    picked = shifted.reshape(n * k).take(tensor(idx, device=z.device, dtype=int64), 0)
-    picked = where(tensor(mine, device=z.device), picked, 0.0)
+    idx = host(table, targets, shape=(n,), dtype=int64)
+    mine = host(replace(table, part="mine"), targets, shape=(n,), dtype="bool")
+    picked = shifted.reshape(n * k).take(idx, 0)
+    picked = where(mine, picked, 0.0)
     nll = lse - reduce_from_tp(picked, comm=comm)
     smooth = nll
     if label_smoothing:
         total = reduce_from_tp(shifted.sum(-1), comm=comm)
         smooth = lse - total * (1.0 / (k * comm.size))
-    return smoothed_nll(nll, smooth, keep, label_smoothing)
+    keep = host(replace(table, part="keep"), targets, shape=(n,), dtype=nll.dtype)
+    scale = host(replace(table, part="scale"), targets, shape=(), dtype=float64)
+    return smoothed_nll(nll, smooth, keep, scale, label_smoothing)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """The tables of a vocabulary-parallel cross-entropy from checked host targets
+    (``fs.host`` functions): ``index`` row·k + the target's column in this rank's block
+    (0 elsewhere), ``mine`` whether the target's column is this rank's, ``keep`` 1 for
+    kept rows, ``scale`` 1 / kept rows."""
+
+    op: str
+    k: int
+    rank: int
+    size: int
+    ignore_index: int
+    part: str
+
+    def __call__(self, targets: np.ndarray) -> np.ndarray:
+        t = check_values(self.op, targets, self.k * self.size, what="target",
+                         ignore_index=self.ignore_index).reshape(-1)
+        keep = t != self.ignore_index
+        if self.part == "keep":
+            return keep
+        if self.part == "scale":
+            return kept_scale(keep)
+        lo = self.rank * self.k
+        mine = keep & (t >= lo) & (t < lo + self.k)
+        if self.part == "mine":
+            return mine
+        return np.arange(t.size, dtype=np.int64) * self.k + np.where(mine, t - lo, 0)

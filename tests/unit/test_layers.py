@@ -15,7 +15,7 @@ LAYERS = {
     "errors": 0, "dtypes": 0,
     "backend": 1, "transport": 1,
     "graph": 2,
-    "tensor": 3, "autograd": 3, "functional": 3,
+    "tensor": 3, "autograd": 3, "functional": 3, "compile": 3,
     "comm": 4,
     "topology": 5, "cost": 5, "device_group": 5, "launch": 5, "nn": 5,
     "mesh": 6,

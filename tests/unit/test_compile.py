@@ -1,0 +1,225 @@
+"""``fs.compile`` in one process and in a DeviceGroup: compiled steps give the uncompiled
+steps' losses bit for bit, replays build no graph, and what cannot be replayed raises."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fuelspmd as fs
+from fuelspmd import nn, optim
+from fuelspmd.comm import Communicator
+from fuelspmd.errors import CollectiveMismatchError, ConfigError
+from fuelspmd.graph import node as graph_node
+from fuelspmd.transport import SelfTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import compile_programs as P
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def solo() -> Communicator:
+    return Communicator(SelfTransport(), device="cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_gpt_steps_equal_uncompiled_bit_for_bit(dtype: str) -> None:
+    want, wparams, _ = P.train(solo(), compiled=False, dtype=dtype)
+    got, gparams, step = P.train(solo(), compiled=True, dtype=dtype)
+    assert got == want
+    for a, b in zip(gparams, wparams):
+        np.testing.assert_array_equal(a, b)
+    assert step.replays >= P.STEPS - 3 and step.traces <= 3
+
+
+def test_device_group_tp_compiled_equals_uncompiled() -> None:
+    group = fs.DeviceGroup.cpu(2)
+    want = group.run(lambda comm: P.train(comm, compiled=False)[0])
+    got = group.run(lambda comm: P.train(comm, compiled=True)[0])
+    assert got == want
+    assert got[0] == got[1]  # the loss is replicated over tp
+
+
+def _linear() -> tuple[nn.Parameter, optim.AdamW, fs.Tensor, fs.Tensor]:
+    rng = np.random.default_rng(0)
+    w = nn.Parameter(fs.tensor(rng.standard_normal((8, 4)).astype(np.float32)))
+    x = fs.tensor(rng.standard_normal((16, 8)).astype(np.float32))
+    y = fs.tensor(rng.standard_normal((16, 4)).astype(np.float32))
+    return w, optim.AdamW([w], lr=1e-2), x, y
+
+
+def _sgd_step(w: nn.Parameter, opt: optim.Optimizer) -> object:
+    def step(x: fs.Tensor, y: fs.Tensor) -> fs.Tensor:
+        loss = ((x @ w - y) ** 2).mean()
+        opt.step(fs.grad(loss, [w]))
+        return loss
+    return step
+
+
+def test_a_replay_builds_no_node_per_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    w, opt, x, y = _linear()
+    step = fs.compile(_sgd_step(w, opt))
+    for _ in range(4):
+        step(x, y)
+    assert step.replays == 1
+    made = []
+    init = graph_node.Node.__init__
+
+    def counting(self: object, *a: object, **k: object) -> None:
+        made.append(a[0])
+        init(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(graph_node.Node, "__init__", counting)
+    step(x, y)
+    assert step.replays == 2
+    assert [op.name for op in made] == ["leaf"]  # the returned loss, nothing else
+
+
+def test_a_new_shape_traces_again_and_matches() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        fn = _sgd_step(w, opt)
+        step = fs.compile(fn) if compiled else fn
+        out = [float(step(x, y).numpy()) for _ in range(5)]
+        out += [float(step(x[:8], y[:8]).numpy()) for _ in range(5)]
+        out += [float(step(x, y).numpy()) for _ in range(2)]
+        return out
+    assert run(True) == run(False)
+
+
+def test_retrace_false_names_both_signatures() -> None:
+    w, opt, x, y = _linear()
+    step = fs.compile(_sgd_step(w, opt), retrace=False)
+    step(x, y)
+    with pytest.raises(ConfigError, match=r"called with args \(\(8, 8\) float32 cpu:0.*"
+                                          r"compiled for args \(\(16, 8\) float32 cpu:0"):
+        step(x[:8], y[:8])
+
+
+def test_state_assigned_from_outside_is_seen() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        fn = _sgd_step(w, opt)
+        step = fs.compile(fn) if compiled else fn
+        out = [float(step(x, y).numpy()) for _ in range(5)]
+        w.assign(np.zeros((8, 4), np.float32))  # a checkpoint loaded between steps
+        return out + [float(step(x, y).numpy()) for _ in range(3)]
+    assert run(True) == run(False)
+
+
+def test_a_host_read_inside_raises() -> None:
+    w, _, x, _ = _linear()
+
+    def bad(x: fs.Tensor) -> fs.Tensor:
+        s = float((x @ w).sum().numpy())
+        return x * s
+    with pytest.raises(ConfigError, match=r"read a .* tensor's value to the host"):
+        fs.compile(bad)(x)
+
+
+def test_per_call_data_made_inside_raises() -> None:
+    w, _, x, _ = _linear()
+    rng = np.random.default_rng(0)
+
+    def noisy(x: fs.Tensor) -> fs.Tensor:
+        return x @ w + fs.tensor(rng.standard_normal((16, 4)).astype(np.float32))
+    step = fs.compile(noisy)
+    with pytest.raises(ConfigError, match="made inside the function from host data differs"):
+        for _ in range(4):
+            step(x)
+
+
+def test_a_python_number_changing_per_call_raises() -> None:
+    _, _, x, _ = _linear()
+    count = [0]
+
+    def drifting(x: fs.Tensor) -> fs.Tensor:
+        count[0] += 1
+        return x * float(count[0])
+    step = fs.compile(drifting)
+    with pytest.raises(ConfigError, match="ran different graphs each time"):
+        for _ in range(8):
+            step(x)
+
+
+def test_a_collective_built_before_a_replay_is_issued_first() -> None:
+    """Device 0 builds an all_reduce before calling the replayed step, device 1 after it:
+    uncompiled, device 0 issues it first and the group raises the mismatch; a replay
+    must too (issuing the step's collectives first would hide the bug and reorder)."""
+    group = fs.DeviceGroup.cpu(2, timeout=10.0)
+
+    def program(comm: Communicator, compiled: bool) -> None:
+        w = nn.Parameter(fs.tensor(np.ones((4, 3), np.float32), device=comm.device))
+        opt = optim.SGD([w], lr=0.1)
+
+        def step(x: fs.Tensor) -> fs.Tensor:
+            loss = (comm.all_reduce(x @ w) ** 2).mean()
+            opt.step(fs.grad(loss, [w]))
+            return loss
+        fn = fs.compile(step) if compiled else step
+        x = fs.tensor(np.ones((2, 4), np.float32), device=comm.device)
+        for _ in range(4):
+            fn(x)
+        y = fs.tensor(np.ones(5, np.float32), device=comm.device)
+        early = comm.all_reduce(y) if comm.rank == 0 else None
+        fn(x)
+        late = comm.all_reduce(y) if comm.rank == 1 else early
+        assert late is not None
+        late.numpy()
+
+    for compiled in (False, True):
+        with pytest.raises(CollectiveMismatchError):
+            group.run(program, [compiled] * 2)
+
+
+def test_a_compiled_function_inside_another_is_part_of_its_trace() -> None:
+    def run(compiled: bool) -> list[float]:
+        w, opt, x, y = _linear()
+        inner = _sgd_step(w, opt)
+        inner = fs.compile(inner) if compiled else inner
+
+        def outer(x: fs.Tensor, y: fs.Tensor) -> fs.Tensor:
+            return inner(x, y) * 2.0
+        step = fs.compile(outer) if compiled else outer
+        return [float(step(x, y).numpy()) for _ in range(6)]
+    assert run(True) == run(False)
+
+
+def test_models_gpt2_over_tp_compiled_equals_uncompiled() -> None:
+    """fuelspmd.models.GPT2 (vocabulary-parallel tied embedding, its ids checked through
+    fs.host), TP over a DeviceGroup.cpu(2), AdamW: 8 steps bit for bit."""
+    from fuelspmd import models
+    from fuelspmd.tensor_parallel import vocab_parallel_cross_entropy
+
+    cfg = models.GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2, n_positions=8)
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 32, (2, 9)) for _ in range(8)]
+
+    def program(comm: Communicator, compiled: bool) -> tuple[list[float], int]:
+        model = models.GPT2(cfg, comm=comm, seed=0)
+        model.head.gather_output = False  # the loss takes the vocabulary-split logits
+        params = model.parameters()
+        opt = optim.AdamW(params, lr=1e-2)
+
+        def step(ids: fs.Tensor, targets: fs.Tensor) -> fs.Tensor:
+            z = model(ids)
+            loss = vocab_parallel_cross_entropy(z.reshape(-1, z.shape[-1]), targets,
+                                                comm=comm)
+            grads = fs.grad(loss, params)
+            fs.realize(loss, *grads)
+            opt.step(grads)
+            return loss
+        fn = fs.compile(step) if compiled else step
+        losses = [float(fn(fs.tensor(t[:, :-1], device=comm.device),
+                           fs.tensor(t[:, 1:].reshape(-1), device=comm.device)).numpy())
+                  for t in data]
+        return losses, getattr(fn, "replays", 0)
+
+    group = fs.DeviceGroup.cpu(2)
+    got, want = group.run(program, [True] * 2), group.run(program, [False] * 2)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert all(g[1] >= 5 for g in got)

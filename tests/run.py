@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = (1, 2, 3, 4)
-DEADLINE_S = {"unit": 900, "mpi": 420}
+DEADLINE_S = {"unit": 1500, "mpi": 600}
 
 
 def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tuple[int, float]:

@@ -40,7 +40,8 @@ def from_pretrained(path: str | os.PathLike[str], *, comm: Any = None, mesh: Any
     kind = d.get("model_type")
     if kind not in MODELS:
         raise ConfigError(f"from_pretrained: model_type {kind!r} in {cfg_path} is not "
-                          f"implemented; implemented: {sorted(MODELS)}")
+                          f"implemented; implemented: {sorted(MODELS)}: use a directory of "
+                          "one of those")
     cls = MODELS[kind]
     model = cls(cls.config_class.from_hf(d), comm=comm, mesh=mesh, dtype=dtype,
                 device=device)

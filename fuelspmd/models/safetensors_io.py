@@ -100,14 +100,16 @@ class SafetensorsReader:
         shape, dt = self.info(name)
         if len(index) != len(shape):
             raise ShapeError(f"from_pretrained: tensor {name!r} has shape {shape}; a "
-                             f"{len(index)}-dim slice of it was asked for (wrong layout?)")
+                             f"{len(index)}-dim slice of it was asked for; fix the "
+                             "directory's config.json to describe the weights in it")
         if dt == "bfloat16":
             start, header = self._header(path)
             lo, hi = header[name]["data_offsets"]
             raw = np.memmap(path, dtype=np.uint16, mode="r", offset=start + lo, shape=shape)
             if hi - lo != raw.nbytes:
                 raise ShapeError(f"from_pretrained: tensor {name!r} of {path.name} has "
-                                 f"{hi - lo} bytes for shape {shape}; the file is corrupt")
+                                 f"{hi - lo} bytes for shape {shape}; the file is corrupt: "
+                                 "write it again (save_pretrained) or fetch it again")
             return np.array(raw[index]).view(to_numpy(bfloat16))
         if path not in self._open:
             self._open[path] = self._stack.enter_context(safe_open(str(path), "numpy"))

@@ -8,8 +8,8 @@ index, each rename, ``latest``). Then, in this process at tp 1: ``run/ck`` loads
 version 1 if the kill came before the commit (the rename of the new directory into place),
 version 2 after it; ``checkpoint.latest(run)`` loads too; every temporary directory left
 behind is refused with CheckpointIncompleteError; and a next save succeeds and clears the
-leftovers. Four-rank jobs (tp 2 x pp 2) for some points, two-rank (tp 2) for the rest,
-run two at a time by the first test.
+leftovers. Every job has four ranks (tp 2 x pp 2), each killed rank in turn; the jobs
+run two at a time in the first test.
 """
 
 from __future__ import annotations
@@ -40,23 +40,23 @@ CASES = [
     (4, 0, r"^markers seen$", False),
     (4, 0, r"^old moved aside$", False),
     (4, 0, r"^new renamed into place$", True),
-    (2, 1, r"^copied$", False),
-    (2, 1, r"^tmp made$", False),
-    (2, 1, r"^shard opened$", False),
-    (2, 1, r"^shard header written$", False),
-    (2, 1, r"blocks\.2\.fc2\.weight.* half written", False),
-    (2, 0, r"blocks\.3\.norm\.bias.* half written", False),
-    (2, 1, r"^shard flushed$", False),
-    (2, 1, r"^shard fsynced$", False),
-    (2, 1, r"^dir fsynced$", False),
-    (2, 1, r"^marker temp written$", False),
-    (2, 0, r"^marker renamed$", False),
-    (2, 0, r"^index temp written$", False),
-    (2, 0, r"^index renamed$", False),
-    (2, 0, r"^leftover index removed$", True),
-    (2, 0, r"^latest temp written$", True),
-    (2, 0, r"^latest renamed$", True),
-    (2, 0, r"^committed$", True),
+    (4, 1, r"^copied$", False),
+    (4, 2, r"^tmp made$", False),
+    (4, 3, r"^shard opened$", False),
+    (4, 1, r"^shard header written$", False),
+    (4, 3, r"fc2\.weight.* half written", False),
+    (4, 0, r"norm\.bias.* half written", False),
+    (4, 2, r"^shard flushed$", False),
+    (4, 1, r"^shard fsynced$", False),
+    (4, 3, r"^dir fsynced$", False),
+    (4, 2, r"^marker temp written$", False),
+    (4, 0, r"^marker renamed$", False),
+    (4, 0, r"^index temp written$", False),
+    (4, 0, r"^index renamed$", False),
+    (4, 0, r"^leftover index removed$", True),
+    (4, 0, r"^latest temp written$", True),
+    (4, 0, r"^latest renamed$", True),
+    (4, 0, r"^committed$", True),
 ]
 
 

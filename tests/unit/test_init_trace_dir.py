@@ -36,8 +36,11 @@ TIMEOUT = 3.0  # long enough for a good collective on 4 ranks sharing 2 busy cor
 PROGRAM = """
 import os, sys, time
 import numpy as np
+import ml_dtypes
+from mpi4py import MPI
 import fuelspmd as fs
 
+MPI.COMM_WORLD.Barrier()  # every rank started and imported: the short timeout is the test's
 w = fs.init(timeout={timeout}, trace_dir=sys.argv[1])
 comm = w.comm
 x = fs.tensor(np.full(8, w.rank + 1, np.float32))

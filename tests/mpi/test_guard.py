@@ -532,3 +532,4 @@ def test_a_recv_of_a_message_already_sent_is_not_a_mismatch(world: Any) -> None:
             note[2] = 0  # had rank 1 not sent, both would wait for each other for ever
             with pytest.raises(CollectiveMismatchError, match="point-to-point mismatch"):
                 guard._square(1, note)
+        world.comm.Barrier()  # no rank's guard says bye before rank 0 has begun its recv

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fuelspmd import errors
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from fuelspmd.tensor import tensor
@@ -248,19 +249,37 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any], *, mesh: Any = 
          comm: Communicator | None = None) -> dict[str, Any]:
     """Fill the Modules and optimisers of ``state`` from the checkpoint at ``path`` in
     whatever layout they have now; return the saved plain values. Each rank reads only
-    the byte ranges of the blocks it holds and checks their checksums; no communication
-    (``mesh`` and ``comm`` are accepted so a call mirrors :func:`save`). A path whose save
-    never committed raises CheckpointIncompleteError; after a crash during a replacement
-    the previous checkpoint there is found."""
-    del mesh, comm
+    the byte ranges of the blocks it holds and checks their checksums; then the ranks of
+    ``mesh`` (or ``comm``, or the group :func:`save` would take) compare outcomes in one
+    exchange, so a missing file or a damaged piece that one rank read raises the same
+    :class:`CheckpointError` on every rank, naming that rank. A path whose save never
+    committed raises CheckpointIncompleteError; after a crash during a replacement the
+    previous checkpoint there is found."""
     wait_pending()
-    where = files.find(Path(path))
-    shards = Shards(where, files.read_index(where))
+    group = group_of(state, mesh, comm)
+    error: CheckpointError | None = None
+    values: dict[str, Any] = {}
     try:
-        restore(shards, state)
-    finally:
-        shards.close()
-    return dict(shards.index["values"])
+        where = files.find(Path(path))
+        shards = Shards(where, files.read_index(where))
+        try:
+            restore(shards, state)
+        finally:
+            shards.close()
+        values = dict(shards.index["values"])
+    except CheckpointError as e:
+        error = e
+    outcomes = gather_json(group, None if error is None else [type(error).__name__, str(error)])
+    failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+    if failed:
+        if error is not None and len(failed) == 1:
+            raise error
+        r, (kind, text) = failed[0]
+        cls = getattr(errors, kind, CheckpointError)
+        raise (cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else
+               CheckpointError)(f"checkpoint.load failed on rank(s) "
+                                f"{[q for q, _ in failed]}; rank {r}: {text}")
+    return values
 
 
 def latest(run: str | os.PathLike[str]) -> Path | None:

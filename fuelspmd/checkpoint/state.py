@@ -146,13 +146,16 @@ def group_of(state: Mapping[str, Any], mesh: Any, comm: Communicator | None
                           if p.spec.comm is not None and p.spec.comm.size > 1})
         elif isinstance(v, ZeRO1) and v.dp.size > 1:
             found[id(v.dp)] = v.dp
-    if len(found) > 1:
+    world = current()  # every rank of the job: replicated state (pp stages, dp replicas),
+    # or state sharded over several communicators (tp and dp)
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if world is not None and world.size > 1:
+        return world.comm
+    if found:
         raise ConfigError(f"checkpoint: the state is sharded over {len(found)} communicators "
                           "(tp and dp?); pass mesh= (or comm=, the group of every rank)")
-    if found:
-        return next(iter(found.values()))
-    world = current()  # ranks of one job holding replicated state (pp stages, dp replicas)
-    return world.comm if world is not None and world.size > 1 else None
+    return None
 
 
 def restore(shards: Shards, state: Mapping[str, Any]) -> None:

@@ -16,8 +16,9 @@ import pytest
 import fuelspmd as fs
 from fuelspmd import checkpoint, nn
 from fuelspmd.checkpoint.api import gather_json
+from fuelspmd.checkpoint.files import shard_name
 from fuelspmd.comm import Communicator
-from fuelspmd.errors import CheckpointMismatchError
+from fuelspmd.errors import CheckpointCorruptError, CheckpointMismatchError
 from fuelspmd.transport import SelfTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,4 +73,23 @@ def test_replicated_state_saved_without_a_group_is_one_checkpoint_of_the_world(
     again = nn.Linear(3, 4, seed=1)
     assert checkpoint.load(shared / "rep", {"lin": again}) == {"step": 3}
     assert (again.weight.numpy() == lin.weight.numpy()).all()
+    world.comm.barrier()
+
+
+def test_a_piece_damaged_on_one_rank_raises_on_every_rank(world: fs.World, shared: Path) -> None:
+    """Only the rank holding a block reads (and checks) it; the ranks then compare outcomes,
+    so the damage one rank found raises CheckpointCorruptError on all, naming that rank
+    (the others would otherwise go on into the next collective alone)."""
+    if world.size not in (2, 4):
+        pytest.skip("a tp layout of the whole world (2 or 4 ranks)")
+    path = shared / "bad-piece"
+    cp.save_state(world.comm, str(path), world.size, 1, False)
+    if world.rank == 0:
+        last = path / shard_name(world.size - 1, world.size)
+        data = bytearray(last.read_bytes())
+        data[-1] ^= 0xFF  # the last byte of the last piece the last rank wrote
+        last.write_bytes(bytes(data))
+    world.comm.barrier()
+    with pytest.raises(CheckpointCorruptError, match=f"rank {world.size - 1}|crc|CRC|checksum"):
+        cp.load_state(world.comm, str(path), world.size)
     world.comm.barrier()

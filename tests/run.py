@@ -68,7 +68,7 @@ def main(extra: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="fuelspmd-tests-"))
     runs: list[tuple[str, list[str], float]] = [
         ("one process", [sys.executable, "-m", "pytest", "-q", "tests", "--ignore=tests/mpi",
-                         *extra], DEADLINE_S["unit"]),
+                         "--durations=25", *extra], DEADLINE_S["unit"]),
     ]
     if mpiexec is None:
         print("no mpiexec found beside python or on PATH: install the project "

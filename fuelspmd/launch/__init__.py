@@ -59,6 +59,7 @@ from fuelspmd.comm.guarded import GuardedTransport, bye_all
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
+from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
 from fuelspmd.launch.output import Ranks, rank_logger, rank_print
@@ -196,6 +197,7 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
     if all_reduce not in ALL_REDUCE:
         raise ConfigError(f"init(all_reduce={all_reduce!r}): use one of {list(ALL_REDUCE)}")
     info = detect_launcher()
+    to_numpy(bfloat16)  # its import (ml_dtypes) is local work, not a wait the deadline is for
     with _startup_deadline(info, timeout):
         seam = _start_transport(transport, info, timeout, device)
     check_world(seam, info)

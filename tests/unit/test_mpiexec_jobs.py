@@ -59,6 +59,8 @@ def test_an_exception_on_one_rank_ends_the_job_within_seconds() -> None:
 
 NEVER_JOINS = """
 import os, sys, time, numpy as np, fuelspmd as fs
+from mpi4py import MPI
+MPI.COMM_WORLD.Barrier()   # a slow import is not the timeout under test
 w = fs.init(timeout=1.5)
 if w.rank == 1:
     time.sleep(6)          # never joins the all_reduce in time

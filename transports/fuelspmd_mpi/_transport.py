@@ -102,7 +102,7 @@ class MPITransport:
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
-        self._records: tuple[np.ndarray, np.ndarray] | None = None  # _meet's, reused
+        self._records: tuple[Any, ...] | None = None  # _meet's buffers and views, reused
 
     @property
     def comm(self) -> Any:
@@ -255,21 +255,26 @@ class MPITransport:
         ``INLINE`` bytes, or None) in one fixed-size record; raise Disagreement unless the
         words agree. Return every rank's payload bytes, a (size, INLINE) uint8 view."""
         bufs, self._records = self._records, None  # a wait that gives up keeps them MPI's
-        if bufs is None:
-            bufs = (np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64))
-        mine, rows = bufs
+        if bufs is None:  # the record, every rank's, and the views the hot path reads
+            mine, rows = np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64)
+            bufs = (mine, rows, memoryview(mine).cast("B")[24:], rows[:, :3],
+                    rows[:, 3:].view(np.uint8))
+        mine, rows, slot, words_view, payloads = bufs
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
         if payload is not None:
-            mine[3:].view(np.uint8)[:payload.nbytes] = payload.reshape(-1).view(np.uint8)
+            try:
+                slot[:payload.nbytes] = memoryview(payload).cast("B")
+            except ValueError:  # a dtype the buffer protocol cannot name (bfloat16)
+                slot[:payload.nbytes] = memoryview(payload.view(np.uint8)).cast("B")
         req = self._comm.Iallgather(mine, rows)
         MPIWork(req, self, f"{op} (check)", seq, keep=bufs).wait(
             min(check.timeout, self.timeout), watch=check.watch)
         self._records = bufs
-        words = rows[:, :3].tolist()
+        words = words_view.tolist()
         if not check.agrees(words):
             raise Disagreement(f"{op} #{seq} on rank {self.rank} of {self.describe()}", words)
-        return rows[:, 3:].view(np.uint8)
+        return payloads
 
     def probe(self, peer: int | None, tag: int) -> int | None:
         """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has

@@ -10,18 +10,26 @@ t % block_size``.
 Every operation is a graph node, so nothing runs until the caller realises (one decode
 step is one graph: projections, page writes, gathers, attention and the TP all_reduce):
 
-* **write** ``pages' = where(written, scatter_add(values, slots), pages)``: a functional
-  update. ``written`` is a host-built mask of the slots, so a written slot takes its value
-  exactly (``0 + v``) and every other slot keeps its old one exactly; slots of one write
-  are distinct (a block table never repeats a block).
+* **write** ``pages' = put(pages, slots, values)``: the rows at ``slots`` replaced, the rest
+  kept exactly; slots of one write are distinct (a block table never repeats a block).
+  :meth:`tensors` donates the realised pages the pending writes start from
+  (``Tensor.donate``), so the realise of the step's outputs with ``tensors()`` writes the
+  new rows into the pages' own buffers where nothing else in that graph reads the old
+  value (the graph's ownership rule; else it copies first): a write costs O(tokens
+  written), not O(pool). A realise without ``tensors()`` computes the writes it needs
+  functionally (copies) and donates nothing.
 * **gather** ``pages.take(slots)`` reads a sequence's keys through its block table.
 * **copy** carries out the manager's copy-on-write :class:`BlockCopy` instructions
   (a gather of the source slots written into the destination slots), before new tokens
   are written.
+* **attend** reads only the step's sequences' blocks, batched: each block table padded to
+  :func:`bucket` (a power of two) of blocks, the padding masked, so every step whose
+  longest sequence falls in one bucket has the same graph and reuses its plan.
 
 The store replaces its page tensors with the new lazy ones after each write; realise
-:meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``) so the
-chain of updates does not grow across steps.
+:meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``), all of
+them: a donated page tensor a realise read is spent (using it raises), so one left out of
+that realise could not be computed any more.
 """
 
 from __future__ import annotations
@@ -39,11 +47,18 @@ from fuelspmd.dtypes import DType, int64, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
 from fuelspmd.functional import softmax
-from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
+from fuelspmd.tensor import Tensor, realize, tensor
 
-__all__ = ["MASKED", "LayerStep", "PagedKVStore"]
+__all__ = ["MASKED", "LayerStep", "PagedKVStore", "bucket"]
 
 MASKED = -1e9  # additive mask: exp underflows to exactly 0 in float32 and float64
+
+
+def bucket(blocks: int) -> int:
+    """The padded number of blocks of a step whose longest sequence spans ``blocks``: the
+    next power of two, so a sequence growing to n blocks passes log2(n) buckets (a plan
+    each) and reads at most twice its own keys."""
+    return 1 << max(0, int(blocks) - 1).bit_length()
 
 
 class PagedKVStore:
@@ -63,18 +78,32 @@ class PagedKVStore:
         self.dtype = as_dtype(dtype)
         self.num_slots = num_blocks * block_size
         shape = (self.num_slots, kv_heads, head_dim)
-        self._k = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
-        self._v = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
+        # array-api-strict arrays cannot be donated (no integer-array assignment in the
+        # standard): its writes stay functional
+        self._inplace = self.device.kind != "strict"
+        self._roots: list[Tensor] = []  # realised pages that pending writes start from
+        self._k = [self._zeros(shape) for _ in range(num_layers)]
+        self._v = [self._zeros(shape) for _ in range(num_layers)]
 
     # ---- views ------------------------------------------------------------------------
     def pages(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Layer ``layer``'s (keys, values), each ``[blocks, block_size, heads, head_dim]``."""
+        """Copies of layer ``layer``'s (keys, values), each ``[blocks, block_size, heads,
+        head_dim]`` (copies: the store writes its pages in place)."""
         self._layer(layer)
         shape = (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)
+        every = tensor(np.arange(self.num_slots, dtype=np.int64), device=self.device,
+                       dtype=int64)
+        return (self._k[layer].take(every, 0).reshape(shape),
+                self._v[layer].take(every, 0).reshape(shape))
 
     def tensors(self) -> list[Tensor]:
-        """Every page tensor, for realising with a step's outputs."""
+        """Every page tensor, for realising with a step's outputs: the pages their pending
+        writes start from are donated to that realise, which writes them in place."""
+        if self._inplace:
+            for root in self._roots:
+                if root.node.buffer is not None:
+                    root.donate()
+        self._roots.clear()
         return [*self._k, *self._v]
 
     def realize(self) -> None:
@@ -141,14 +170,15 @@ class PagedKVStore:
         """Write the new tokens' k/v, then causal attention of ``q`` over each sequence.
 
         ``k``, ``v``: ``[batch, t, kv_heads, head_dim]`` and ``q``: ``[batch, t, heads,
-        head_dim]`` (``heads`` a multiple of ``kv_heads``: query head j reads key/value head
-        ``j // (heads / kv_heads)``, grouped-query attention) for the tokens at positions
-        ``starts[i] .. starts[i]+t-1`` of sequence i (t = 1 when decoding, the uncached
-        part of the prompt at prefill). Each query at position p attends to the sequence's
-        keys at positions 0..p, read through ``tables[i]``:
-        ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by default), M =
-        ``MASKED`` past p and on the padding that makes the sequences one length. Returns
-        ``[batch, t, heads, head_dim]``.
+        head_dim]`` (``heads = g * kv_heads``: query head j reads key/value head ``j // g``,
+        grouped-query attention) for the tokens at positions ``starts[i] .. starts[i]+t-1``
+        of sequence i (t = 1 when decoding, the uncached part of the prompt at prefill).
+        Each query at position p attends to the sequence's keys at positions 0..p, read
+        through ``tables[i]``: ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by
+        default), M = ``MASKED`` past p and on the padding to ``L = block_size ·
+        bucket(blocks of the longest sequence)`` keys. The g query heads of a key/value
+        head are one matrix ``(g·t, d)`` against its keys ``(L, d)``: the keys are never
+        repeated per query head. Returns ``[batch, t, heads, head_dim]``.
         """
         b, t, h, d = q.shape
         kv = self.kv_heads
@@ -163,29 +193,23 @@ class PagedKVStore:
         new = np.concatenate([self.slots(tables[i], starts[i], starts[i] + t)
                               for i in range(b)])
         self.write(layer, new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
-        length = max(starts) + t
-        idx = np.zeros((b, length), dtype=np.int64)
-        mask = np.full((b, 1, t, length), MASKED)
+        bs, g = self.block_size, h // kv
+        length = bs * bucket(-(-(max(starts) + t) // bs))
+        idx = np.zeros((b, length), dtype=np.int64)  # padding reads slot 0, masked
+        mask = np.full((b, 1, 1, t, length), MASKED)
         for i in range(b):
             n = starts[i] + t
             idx[i, :n] = self.slots(tables[i], 0, n)
             pos = starts[i] + np.arange(t)
-            mask[i, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
+            mask[i, 0, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
         keys, values = self.gather(layer, idx)             # (b, L, kv, d)
-
-        def heads(y: Tensor) -> Tensor:  # (b, L, kv, d) -> (b, h, L, d), each head repeated
-            y = y.transpose(0, 2, 1, 3)
-            if kv == h:
-                return y
-            return y.reshape(b, kv, 1, length, d).broadcast_to(
-                (b, kv, h // kv, length, d)).reshape(b, h, length, d)
-
-        qh = q.transpose(0, 2, 1, 3)                        # (b, h, t, d)
-        scores = (qh @ heads(keys).transpose(0, 1, 3, 2)) * (
-            1.0 / math.sqrt(d) if scale is None else scale)
+        qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+        scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
+            1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
         m = tensor(mask.astype(to_numpy(self.dtype)), device=self.device, dtype=self.dtype)
-        p = softmax(scores + m, -1)
-        return (p @ heads(values)).transpose(0, 2, 1, 3)
+        p = softmax(scores.reshape(b, kv, g, t, length) + m, -1)
+        ctx = p.reshape(b, kv, g * t, length) @ values.transpose(0, 2, 1, 3)  # (b, kv, g·t, d)
+        return ctx.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def view(self, layer: int, *, tables: Sequence[Sequence[int]], starts: Sequence[int]
              ) -> LayerStep:
@@ -199,15 +223,16 @@ class PagedKVStore:
             raise CacheUsageError(f"layer {layer} is outside 0..{self.num_layers - 1}; the "
                                   f"store was built with num_layers={self.num_layers}")
 
-    def _put(self, pages: Tensor, idx: np.ndarray, values: Tensor) -> Tensor:
-        mask = np.zeros((self.num_slots, 1, 1), dtype=bool)
-        mask[idx] = True
-        where_t = tensor(mask, device=self.device)
-        slots = tensor(idx, device=self.device, dtype=int64)
-        spread = Tensor(graph.make("scatter_add", (values.astype(self.dtype).node, slots.node),
-                                   (0, pages.shape)))
-        return where(where_t, spread, pages)
+    def _zeros(self, shape: tuple[int, ...]) -> Tensor:
+        arr = np.zeros(shape, dtype=to_numpy(self.dtype))
+        return tensor(arr, device=self.device, dtype=self.dtype)
 
+    def _put(self, pages: Tensor, idx: np.ndarray, values: Tensor) -> Tensor:
+        if pages.node.buffer is not None:  # a chain of writes starts: donated by tensors()
+            self._roots.append(pages)
+        slots = tensor(idx, device=self.device, dtype=int64)
+        return Tensor(graph.make("put", (pages.node, slots.node,
+                                         values.astype(self.dtype).node), (0,)))
 
 
 class LayerStep:

@@ -220,21 +220,21 @@ def _put(be: Any, attrs: Attrs, dest: Any, idx: Any, values: Any, *,
     """``dest`` with the indexed rows replaced; into ``dest`` itself when ``donate``."""
     xp, (axis,) = be.xp, attrs
     flat = xp.reshape(idx, (-1,))
-    rows = tuple(dest.shape[:axis]) + (flat.shape[0],) + tuple(dest.shape[axis + 1:])
+    rows = (*dest.shape[:axis], flat.shape[0], *dest.shape[axis + 1:])
     vals = xp.reshape(values, rows)
     if be.kind in ("cpu", "cuda"):
         out = dest if donate else be.lib.array(dest, copy=True)
-        out[(slice(None),) * axis + (flat,)] = vals
+        out[(*(slice(None),) * axis, flat)] = vals
         return out
     # the standard has no integer-array assignment: the scatter's one-hot form, exact
     # (each written element is one value plus zeros)
     hit = xp.any(flat[:, None] == xp.arange(dest.shape[axis], dtype=flat.dtype)[None, :], axis=0)
-    hit = xp.reshape(hit, (1,) * axis + (dest.shape[axis],) + (1,) * (dest.ndim - axis - 1))
+    hit = xp.reshape(hit, (*(1,) * axis, dest.shape[axis], *(1,) * (dest.ndim - axis - 1)))
     return xp.where(hit, _scatter_add(be, (axis, tuple(dest.shape)), vals, flat), dest)
 
 
 def _vjp_put(g: Node, n: Node, w: tuple[bool, ...]) -> tuple[Node | None, ...]:
-    dest, idx, values = n.inputs
+    _, idx, values = n.inputs
     zero = const(0, values.shape, g.dtype, g.device)
     return (make("put", (g, idx, zero), n.attrs) if w[0] else None, None,
             make("take", (g, idx), n.attrs) if w[2] else None)

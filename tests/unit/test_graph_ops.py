@@ -116,7 +116,7 @@ def _scatter_ref(g: np.ndarray, i: np.ndarray) -> np.ndarray:
 def _put_ref(d: np.ndarray, i: np.ndarray, v: np.ndarray, axis: int) -> np.ndarray:
     out = d.copy()
     index = (slice(None),) * axis + (i.reshape(-1),)
-    out[index] = v.reshape(d.shape[:axis] + (i.size,) + d.shape[axis + 1:])
+    out[index] = v.reshape((*d.shape[:axis], i.size, *d.shape[axis + 1:]))
     return out
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,7 @@ class PagedKVStore:
         # standard): its writes stay functional
         self._inplace = self.device.kind != "strict"
         self._roots: list[Tensor] = []  # realised pages that pending writes start from
+        self._last: tuple[Any, _Index] | None = None  # the last step's index, by its key
         self._k = [self._zeros(shape) for _ in range(num_layers)]
         self._v = [self._zeros(shape) for _ in range(num_layers)]
 
@@ -145,8 +147,7 @@ class PagedKVStore:
                                "table never holds a block twice")
         if idx.size == 0:
             return
-        self._k[layer] = self._put(self._k[layer], idx, k)
-        self._v[layer] = self._put(self._v[layer], idx, v)
+        self._write(layer, tensor(idx, device=self.device, dtype=int64), k, v)
 
     def gather(self, layer: int, slots: np.ndarray) -> tuple[Tensor, Tensor]:
         """Keys and values at ``slots`` (any int shape S): each ``S + [heads, head_dim]``."""
@@ -187,27 +188,14 @@ class PagedKVStore:
             raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape}: k "
                              f"and v must be {want} and q (batch, t, a multiple of {kv}, "
                              f"{self.head_dim})")
-        if len(tables) != b or len(starts) != b:
-            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
-                             f"starts for a batch of {b}; give one of each per sequence")
-        new = np.concatenate([self.slots(tables[i], starts[i], starts[i] + t)
-                              for i in range(b)])
-        self.write(layer, new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
-        bs, g = self.block_size, h // kv
-        length = bs * bucket(-(-(max(starts) + t) // bs))
-        idx = np.zeros((b, length), dtype=np.int64)  # padding reads slot 0, masked
-        mask = np.full((b, 1, 1, t, length), MASKED)
-        for i in range(b):
-            n = starts[i] + t
-            idx[i, :n] = self.slots(tables[i], 0, n)
-            pos = starts[i] + np.arange(t)
-            mask[i, 0, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
-        keys, values = self.gather(layer, idx)             # (b, L, kv, d)
+        ix = self._index(tables, starts, b, t)
+        self._write(layer, ix.new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
+        g, length = h // kv, ix.length
+        keys, values = self._k[layer].take(ix.read, 0), self._v[layer].take(ix.read, 0)
         qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
         scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
             1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
-        m = tensor(mask.astype(to_numpy(self.dtype)), device=self.device, dtype=self.dtype)
-        p = softmax(scores.reshape(b, kv, g, t, length) + m, -1)
+        p = softmax(scores.reshape(b, kv, g, t, length) + ix.mask, -1)
         ctx = p.reshape(b, kv, g * t, length) @ values.transpose(0, 2, 1, 3)  # (b, kv, g·t, d)
         return ctx.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
@@ -227,12 +215,63 @@ class PagedKVStore:
         arr = np.zeros(shape, dtype=to_numpy(self.dtype))
         return tensor(arr, device=self.device, dtype=self.dtype)
 
-    def _put(self, pages: Tensor, idx: np.ndarray, values: Tensor) -> Tensor:
+    def _write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        self._k[layer] = self._put(self._k[layer], slots, k)
+        self._v[layer] = self._put(self._v[layer], slots, v)
+
+    def _put(self, pages: Tensor, slots: Tensor, values: Tensor) -> Tensor:
         if pages.node.buffer is not None:  # a chain of writes starts: donated by tensors()
             self._roots.append(pages)
-        slots = tensor(idx, device=self.device, dtype=int64)
         return Tensor(graph.make("put", (pages.node, slots.node,
                                          values.astype(self.dtype).node), (0,)))
+
+    def _index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], b: int,
+               t: int) -> _Index:
+        """The step's host-built index tensors, made once and shared by every layer."""
+        if len(tables) != b or len(starts) != b:
+            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
+                             f"starts for a batch of {b}; give one of each per sequence")
+        key = (t, tuple(int(x) for x in starts), tuple(tuple(tb) for tb in tables))
+        if self._last is None or self._last[0] != key:
+            self._last = (key, _Index(self, key[2], key[1], t))
+        return self._last[1]
+
+
+class _Index:
+    """One step's slots as tensors: ``new`` (b·t,) the new tokens' slots, ``read`` (b, L)
+    every cached slot of each sequence padded to ``L = block_size · bucket(blocks)`` with
+    slot 0, ``mask`` (b, 1, 1, t, L): 0 where query j of sequence i may read key p
+    (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys and the padding)."""
+
+    def __init__(self, store: PagedKVStore, tables: tuple[tuple[int, ...], ...],
+                 starts: tuple[int, ...], t: int) -> None:
+        bs, b = store.block_size, len(tables)
+        ends = np.asarray(starts, dtype=np.int64) + t
+        blocks = [len(tb) for tb in tables]
+        width = bucket(-(-int(ends.max()) // bs))
+        for i, (tb, n) in enumerate(zip(tables, ends)):
+            if n > len(tb) * bs or min(starts[i], *tb) < 0 or max(tb, default=0) >= \
+                    store.num_blocks:
+                store.slots(tb, starts[i], int(n))  # raises the error that names it
+        padded = np.zeros((b, max(width, *blocks)), dtype=np.int64)
+        for i, tb in enumerate(tables):
+            padded[i, :len(tb)] = tb
+        self.length = length = width * bs
+        pos = np.arange(length, dtype=np.int64)
+        read = padded[:, pos // bs] * bs + pos % bs
+        query = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(t)  # (b, t)
+        new = np.take_along_axis(read, query, 1).reshape(-1)
+        if np.unique(new).size != new.size:
+            raise RuntimeError(f"PagedKVStore.attend: the step writes slots {new.tolist()}, "
+                               "one twice; a block table never holds a block twice and "
+                               "no two sequences write one block")
+        ok = pos[None, None, :] <= query[:, :, None]  # (b, t, L)
+        read = np.where(pos[None, :] < ends[:, None], read, 0)
+        dt, dev = to_numpy(store.dtype), store.device
+        mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(b, 1, 1, t, length)
+        self.new = tensor(new, device=dev, dtype=int64)
+        self.read = tensor(read, device=dev, dtype=int64)
+        self.mask = tensor(mask, device=dev, dtype=store.dtype)
 
 
 class LayerStep:

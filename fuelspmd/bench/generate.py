@@ -22,8 +22,9 @@ Under mpiexec ``hf`` and ``tp1`` run on rank 0 alone while the others wait. One 
 thread per rank (threadpoolctl) and one torch thread, so TP N uses N cores and the rest
 one. Tokens per second count every generated token of every request over the whole call
 (prefill included); time to first token is greedy's mean over the requests (from the
-batch's arrival). ``plan_misses_per_token``: plan-cache misses of the call over its
-generated tokens (decode steps reuse their bucket's plan). ``tokens_equal``: the tokens
+batch's arrival). ``plan_misses_per_token``: plan-cache misses of the first (untimed)
+call over its generated tokens: a plan per prefill shape and one per decode bucket, the
+decode steps of a bucket reusing its plan. ``tokens_equal``: the tokens
 agree with transformers' (float32: a near tie may flip).
 
 Pool sizes: the decode step time at pools of 1x, 4x and 16x the blocks the requests need,
@@ -97,8 +98,9 @@ class _Greedy:
         out = models.greedy(self.model, prompts(a), new, block_size=a.block_size,
                             num_blocks=num_blocks)
         if new_tokens is None:
+            if self.tokens is None:  # the first call: every plan is made in it
+                self.misses_per_token = (cache.misses - before) / (a.requests * new)
             self.tokens = out.tokens
-            self.misses_per_token = (cache.misses - before) / (a.requests * new)
         return out
 
 

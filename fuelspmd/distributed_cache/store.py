@@ -212,7 +212,9 @@ class PagedKVStore:
                                   f"store was built with num_layers={self.num_layers}")
 
     def _zeros(self, shape: tuple[int, ...]) -> Tensor:
-        arr = np.zeros(shape, dtype=to_numpy(self.dtype))
+        # written, not calloc'ed: the pool's memory is committed here, so no step pays a
+        # first-touch page fault (a 2 MiB zeroing under transparent huge pages)
+        arr = np.full(shape, 0, dtype=to_numpy(self.dtype))
         return tensor(arr, device=self.device, dtype=self.dtype)
 
     def _write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:

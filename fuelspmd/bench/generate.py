@@ -28,7 +28,8 @@ decode steps of a bucket reusing its plan. ``tokens_equal``: the tokens
 agree with transformers' (float32: a near tie may flip).
 
 Pool sizes: the decode step time at pools of 1x, 4x and 16x the blocks the requests need,
-each as ``(t(new_tokens) - t(1)) / (new_tokens - 1)`` of two greedy calls, interleaved;
+each as ``(t(new_tokens) - t(1)) / (new_tokens - 1)`` of two greedy calls, interleaved in
+an order reversed every round;
 ``pool_ratio`` = the 16x step time over the 1x one (paired by round, median).
 """
 
@@ -233,7 +234,11 @@ def _pools(gen: _Greedy, args: argparse.Namespace, fence: Callable[[], object]
     cand = {f"{f}x": step_time(f) for f in POOLS}
     for fn in cand.values():
         fn()
-    times = interleave(cand, count=args.rounds)
+    times: dict[str, list[float]] = {name: [] for name in cand}
+    for r in range(args.rounds):  # A B C, C B A, ...: no candidate always runs last
+        names = list(cand)[::-1] if r % 2 else list(cand)
+        for name, got in interleave({n: cand[n] for n in names}, count=1).items():
+            times[name] += got
     rows = [{"pool": name, "blocks": need * f, "step_ms": 1e3 * median(times[name])}
             for name, f in zip(cand, POOLS)]
     last, first = f"{POOLS[-1]}x", f"{POOLS[0]}x"

@@ -29,7 +29,9 @@ step is one graph: projections, page writes, gathers, attention and the TP all_r
 The store replaces its page tensors with the new lazy ones after each write; realise
 :meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``), all of
 them: a donated page tensor a realise read is spent (using it raises), so one left out of
-that realise could not be computed any more.
+that realise could not be computed any more. The store owns its pages; what it hands out
+(gathers, attention, :meth:`pages`) reads them through takes, which ``tensors()`` lists
+until they are realised, so an output left lazy across steps keeps the values it read.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class PagedKVStore:
         # standard): its writes stay functional
         self._inplace = self.device.kind != "strict"
         self._roots: list[Tensor] = []  # realised pages that pending writes start from
+        self._reads: list[Tensor] = []  # gathers handed out since the last tensors()
         self._last: tuple[Any, _Index] | None = None  # the last step's index, by its key
         self._k = [self._zeros(shape) for _ in range(num_layers)]
         self._v = [self._zeros(shape) for _ in range(num_layers)]
@@ -95,21 +98,26 @@ class PagedKVStore:
         shape = (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
         every = tensor(np.arange(self.num_slots, dtype=np.int64), device=self.device,
                        dtype=int64)
-        return (self._k[layer].take(every, 0).reshape(shape),
-                self._v[layer].take(every, 0).reshape(shape))
+        k, v = self._read(layer, every)
+        return k.reshape(shape), v.reshape(shape)
 
     def tensors(self) -> list[Tensor]:
-        """Every page tensor, for realising with a step's outputs: the pages their pending
-        writes start from are donated to that realise, which writes them in place."""
+        """Every page tensor (keys of each layer, then values), then every read of the
+        pages handed out since the last call and not yet realised: what to realise with a
+        step's outputs. The pages the pending writes start from are donated to that
+        realise, which writes them in place; the reads are realised by it, so a read
+        realised later (a lazy output of an earlier step) still has the value it read."""
         if self._inplace:
             for root in self._roots:
                 if root.node.buffer is not None:
                     root.donate()
         self._roots.clear()
-        return [*self._k, *self._v]
+        reads = [r for r in self._reads if r.node.buffer is None]
+        self._reads.clear()
+        return [*self._k, *self._v, *reads]
 
     def realize(self) -> None:
-        """Run every pending write (one graph)."""
+        """Run every pending write and read (one graph)."""
         realize(*self.tensors())
 
     def nbytes(self) -> int:
@@ -153,7 +161,7 @@ class PagedKVStore:
         """Keys and values at ``slots`` (any int shape S): each ``S + [heads, head_dim]``."""
         self._layer(layer)
         idx = tensor(np.asarray(slots, dtype=np.int64), device=self.device, dtype=int64)
-        return self._k[layer].take(idx, 0), self._v[layer].take(idx, 0)
+        return self._read(layer, idx)
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         """Carry out copy-on-write instructions in every layer (before new tokens go in)."""
@@ -191,7 +199,7 @@ class PagedKVStore:
         ix = self._index(tables, starts, b, t)
         self._write(layer, ix.new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
         g, length = h // kv, ix.length
-        keys, values = self._k[layer].take(ix.read, 0), self._v[layer].take(ix.read, 0)
+        keys, values = self._read(layer, ix.read)
         qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
         scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
             1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
@@ -216,6 +224,11 @@ class PagedKVStore:
         # first-touch page fault (a 2 MiB zeroing under transparent huge pages)
         arr = np.full(shape, 0, dtype=to_numpy(self.dtype))
         return tensor(arr, device=self.device, dtype=self.dtype)
+
+    def _read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self._k[layer].take(slots, 0), self._v[layer].take(slots, 0)
+        self._reads += [k, v]
+        return k, v
 
     def _write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         self._k[layer] = self._put(self._k[layer], slots, k)

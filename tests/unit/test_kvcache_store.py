@@ -65,6 +65,24 @@ def test_overwrite_is_exact_and_leaves_other_slots_alone() -> None:
     assert np.array_equal(store.gather(0, np.arange(8))[0].numpy(), want)
 
 
+def test_a_read_left_lazy_keeps_its_value_and_a_replaced_page_is_spent() -> None:
+    """The pages are written in place: a gather made before an overwrite and realised
+    after it still gives the old values (the realise of ``tensors()`` realises it first);
+    a page tensor the store replaced raises when used, never shows the new contents."""
+    store = _store(layers=1)
+    a, b = _kv(4, 7), _kv(4, 8)
+    store.write(0, np.arange(4), fs.tensor(a), fs.tensor(a))
+    store.realize()
+    old_pages = store.tensors()[0]
+    before, _ = store.gather(0, np.arange(4))
+    store.write(0, np.arange(4), fs.tensor(b), fs.tensor(b))
+    store.realize()
+    assert np.array_equal(before.numpy(), a)
+    assert np.array_equal(store.gather(0, np.arange(4))[0].numpy(), b)
+    with pytest.raises(ConfigError, match="was donated"):
+        old_pages.numpy()
+
+
 def test_copy_on_write_copies_the_shared_partial_block() -> None:
     m = KVCacheManager(8, BS)
     store = _store(layers=2)

@@ -50,6 +50,7 @@ from fuelspmd.dtypes import DType, int64, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
 from fuelspmd.functional import softmax
+from fuelspmd.graph import build as B
 from fuelspmd.tensor import Tensor, realize, tensor
 
 __all__ = ["MASKED", "LayerStep", "PagedKVStore", "bucket"]
@@ -197,12 +198,17 @@ class PagedKVStore:
                              f"and v must be {want} and q (batch, t, a multiple of {kv}, "
                              f"{self.head_dim})")
         ix = self._index(tables, starts, b, t)
-        self._write(layer, ix.new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
+        self._write(layer, ix.new, k, v)
         g, length = h // kv, ix.length
         keys, values = self._read(layer, ix.read)
-        qg = q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+        # query head j = (kv head j // g, its j % g-th query): (b, kv, g·t, d), rows (g, t)
+        qg = (q.reshape(b, kv, g, d) if t == 1 else  # one token: the transpose is a reshape
+              q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d))
         scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
             1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
+        if t == 1:  # the mask (b, 1, 1, L) broadcasts over the g rows
+            ctx = softmax(scores + ix.mask, -1) @ values.transpose(0, 2, 1, 3)
+            return ctx.reshape(b, 1, h, d)
         p = softmax(scores.reshape(b, kv, g, t, length) + ix.mask, -1)
         ctx = p.reshape(b, kv, g * t, length) @ values.transpose(0, 2, 1, 3)  # (b, kv, g·t, d)
         return ctx.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
@@ -238,7 +244,7 @@ class PagedKVStore:
         if pages.node.buffer is not None:  # a chain of writes starts: donated by tensors()
             self._roots.append(pages)
         return Tensor(graph.make("put", (pages.node, slots.node,
-                                         values.astype(self.dtype).node), (0,)))
+                                         B.astype(values.node, self.dtype)), (0,)))
 
     def _index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], b: int,
                t: int) -> _Index:
@@ -253,10 +259,11 @@ class PagedKVStore:
 
 
 class _Index:
-    """One step's slots as tensors: ``new`` (b·t,) the new tokens' slots, ``read`` (b, L)
+    """One step's slots as tensors: ``new`` (b, t) the new tokens' slots, ``read`` (b, L)
     every cached slot of each sequence padded to ``L = block_size · bucket(blocks)`` with
-    slot 0, ``mask`` (b, 1, 1, t, L): 0 where query j of sequence i may read key p
-    (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys and the padding)."""
+    slot 0, ``mask`` (b, 1, 1, t, L), (b, 1, 1, L) when t = 1: 0 where query j of
+    sequence i may read key p (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys
+    and the padding)."""
 
     def __init__(self, store: PagedKVStore, tables: tuple[tuple[int, ...], ...],
                  starts: tuple[int, ...], t: int) -> None:
@@ -275,7 +282,7 @@ class _Index:
         pos = np.arange(length, dtype=np.int64)
         read = padded[:, pos // bs] * bs + pos % bs
         query = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(t)  # (b, t)
-        new = np.take_along_axis(read, query, 1).reshape(-1)
+        new = np.take_along_axis(read, query, 1)  # (b, t)
         if np.unique(new).size != new.size:
             raise RuntimeError(f"PagedKVStore.attend: the step writes slots {new.tolist()}, "
                                "one twice; a block table never holds a block twice and "
@@ -283,7 +290,8 @@ class _Index:
         ok = pos[None, None, :] <= query[:, :, None]  # (b, t, L)
         read = np.where(pos[None, :] < ends[:, None], read, 0)
         dt, dev = to_numpy(store.dtype), store.device
-        mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(b, 1, 1, t, length)
+        mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(
+            (b, 1, 1, length) if t == 1 else (b, 1, 1, t, length))
         self.new = tensor(new, device=dev, dtype=int64)
         self.read = tensor(read, device=dev, dtype=int64)
         self.mask = tensor(mask, device=dev, dtype=store.dtype)

@@ -107,7 +107,9 @@ class PagedKVStore:
         pages handed out since the last call and not yet realised: what to realise with a
         step's outputs. The pages the pending writes start from are donated to that
         realise, which writes them in place; the reads are realised by it, so a read
-        realised later (a lazy output of an earlier step) still has the value it read."""
+        realised later (a lazy output of an earlier step) still has the value it read.
+        The page tensors are the store's own buffers, which later steps overwrite: read
+        the pages through :meth:`pages` or :meth:`gather` (copies), not their ``.numpy()``."""
         if self._inplace:
             for root in self._roots:
                 if root.node.buffer is not None:

@@ -29,9 +29,10 @@ step is one graph: projections, page writes, gathers, attention and the TP all_r
 The store replaces its page tensors with the new lazy ones after each write; realise
 :meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``), all of
 them: a donated page tensor a realise read is spent (using it raises), so one left out of
-that realise could not be computed any more. The store owns its pages; what it hands out
-(gathers, attention, :meth:`pages`) reads them through takes, which ``tensors()`` lists
-until they are realised, so an output left lazy across steps keeps the values it read.
+that realise could not be computed any more. The store owns its pages: what it hands out
+(gathers, attention, :meth:`pages`) reads them lazily, so realise it with or before the
+next realise of ``tensors()`` (after that its pages are spent, and realising it raises,
+never reads the new contents).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class PagedKVStore:
         # standard): its writes stay functional
         self._inplace = self.device.kind != "strict"
         self._roots: list[Tensor] = []  # realised pages that pending writes start from
-        self._reads: list[Tensor] = []  # gathers handed out since the last tensors()
+        # (pages read, the read) of the gathers handed out since the last tensors()
+        self._reads: list[tuple[Tensor, Tensor]] = []
         self._last: tuple[Any, _Index] | None = None  # the last step's index, by its key
         self._k = [self._zeros(shape) for _ in range(num_layers)]
         self._v = [self._zeros(shape) for _ in range(num_layers)]
@@ -103,21 +105,24 @@ class PagedKVStore:
         return k.reshape(shape), v.reshape(shape)
 
     def tensors(self) -> list[Tensor]:
-        """Every page tensor (keys of each layer, then values), then every read of the
-        pages handed out since the last call and not yet realised: what to realise with a
-        step's outputs. The pages the pending writes start from are donated to that
-        realise, which writes them in place; the reads are realised by it, so a read
-        realised later (a lazy output of an earlier step) still has the value it read.
-        The page tensors are the store's own buffers, which later steps overwrite: read
-        the pages through :meth:`pages` or :meth:`gather` (copies), not their ``.numpy()``."""
+        """Every page tensor (keys of each layer, then values), then the reads handed out
+        since the last call of pages a later write replaced (a gather before a write), not
+        yet realised: what to realise with a step's outputs. The pages the pending writes
+        start from are donated to that realise, which writes them in place, so a read left
+        lazy past it (an output of an earlier step never realised) has lost its pages and
+        raises ConfigError when realised: realise every output with or before the next
+        realise of ``tensors()``. The page tensors are the store's own buffers, which later
+        steps overwrite: read the pages through :meth:`pages` or :meth:`gather` (copies),
+        not their ``.numpy()``."""
         if self._inplace:
             for root in self._roots:
                 if root.node.buffer is not None:
                     root.donate()
         self._roots.clear()
-        reads = [r for r in self._reads if r.node.buffer is None]
+        now = {id(t) for t in (*self._k, *self._v)}
+        stale = [r for src, r in self._reads if id(src) not in now and r.node.buffer is None]
         self._reads.clear()
-        return [*self._k, *self._v, *reads]
+        return [*self._k, *self._v, *stale]
 
     def realize(self) -> None:
         """Run every pending write and read (one graph)."""
@@ -235,7 +240,7 @@ class PagedKVStore:
 
     def _read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         k, v = self._k[layer].take(slots, 0), self._v[layer].take(slots, 0)
-        self._reads += [k, v]
+        self._reads += [(self._k[layer], k), (self._v[layer], v)]
         return k, v
 
     def _write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:

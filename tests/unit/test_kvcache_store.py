@@ -65,10 +65,11 @@ def test_overwrite_is_exact_and_leaves_other_slots_alone() -> None:
     assert np.array_equal(store.gather(0, np.arange(8))[0].numpy(), want)
 
 
-def test_a_read_left_lazy_keeps_its_value_and_a_replaced_page_is_spent() -> None:
+def test_a_read_left_lazy_keeps_its_value_or_raises_never_sees_new_pages() -> None:
     """The pages are written in place: a gather made before an overwrite and realised
     after it still gives the old values (the realise of ``tensors()`` realises it first);
-    a page tensor the store replaced raises when used, never shows the new contents."""
+    a read left lazy past a later step's realise, and a page tensor the store replaced,
+    raise when used: neither shows the new contents."""
     store = _store(layers=1)
     a, b = _kv(4, 7), _kv(4, 8)
     store.write(0, np.arange(4), fs.tensor(a), fs.tensor(a))
@@ -81,6 +82,12 @@ def test_a_read_left_lazy_keeps_its_value_and_a_replaced_page_is_spent() -> None
     assert np.array_equal(store.gather(0, np.arange(4))[0].numpy(), b)
     with pytest.raises(ConfigError, match="was donated"):
         old_pages.numpy()
+    late, _ = store.gather(0, np.arange(4))  # reads the current pages, left lazy
+    store.realize()  # ... past this step
+    store.write(0, np.arange(4), fs.tensor(a), fs.tensor(a))
+    store.realize()
+    with pytest.raises(ConfigError, match="was donated"):
+        late.numpy()
 
 
 def test_copy_on_write_copies_the_shared_partial_block() -> None:

@@ -13,7 +13,8 @@ Each rank runs the same :class:`KVCacheManager` (checked by a :class:`KVCacheCoo
 and keeps the keys and values of its own heads in a :class:`PagedKVStore`. Prefill
 computes only the part of a prompt the prefix cache does not hold; decoding runs the whole
 batch one token per step, attention reading every sequence through its block table.
-Rank 0 prints one JSON line: prefix hit rate, blocks used, tokens per second and, with
+``--pool-blocks N`` sizes the pool (default: what the requests need). Rank 0 prints one
+JSON line: prefix hit rate, blocks used, ``tokens_per_s``, ``ttft_s`` and, with
 ``--check``, whether the tokens EQUAL those of a plain numpy model that recomputes
 attention over the whole sequence at every step, without any cache. With ``--from DIR``
 the model is :func:`fuelspmd.models.from_pretrained` of that directory (each rank reading
@@ -113,7 +114,8 @@ def generate(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     out = models.greedy(model, make_prompts(args), args.new_tokens,
                         block_size=args.block_size, samples=args.samples,
                         prefix_caching=not args.no_prefix_cache,
-                        check_every=args.check_every, coordinate=args.coordinate)
+                        check_every=args.check_every, coordinate=args.coordinate,
+                        num_blocks=args.pool_blocks)
     return {"tp": comm.size, "requests": args.requests, "samples": args.samples,
             "prefix": args.prefix, "prefix_cache": not args.no_prefix_cache,
             "hit_rate": round(out.hit_rate, 4),
@@ -204,6 +206,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--coordinate", choices=("check", "leader"), default="check",
                    help="check: same calls on every rank, digests compared; leader: rank 0's "
                         "calls broadcast and replayed")
+    p.add_argument("--pool-blocks", type=int, default=None, metavar="N",
+                   help="blocks in the KV pool (default: what the requests need); a larger "
+                        "pool must not slow a step: writes and reads touch only the "
+                        "step's blocks")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--check", action="store_true",
                    help="compare the tokens with a no-cache numpy reference (must be EQUAL)")
@@ -212,6 +218,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                  "layers", "hidden", "heads", "ffn", "vocab", "check_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pool_blocks is not None and args.pool_blocks < 1:
+        p.error(f"--pool-blocks must be >= 1, got {args.pool_blocks}")
     args.max_len = args.prefix + args.suffix + args.new_tokens
     if args.from_dir:  # the prompts are drawn from the model's vocabulary
         cfg = json.loads((Path(args.from_dir) / "config.json").read_text())

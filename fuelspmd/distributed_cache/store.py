@@ -10,24 +10,36 @@ t % block_size``.
 Every operation is a graph node, so nothing runs until the caller realises (one decode
 step is one graph: projections, page writes, gathers, attention and the TP all_reduce):
 
-* **write** ``pages' = where(written, scatter_add(values, slots), pages)``: a functional
-  update. ``written`` is a host-built mask of the slots, so a written slot takes its value
-  exactly (``0 + v``) and every other slot keeps its old one exactly; slots of one write
-  are distinct (a block table never repeats a block).
+* **write** ``pages' = put(pages, slots, values)``: the rows at ``slots`` replaced, the rest
+  kept exactly; slots of one write are distinct (a block table never repeats a block).
+  :meth:`tensors` donates the realised pages the pending writes start from
+  (``Tensor.donate``), so the realise of the step's outputs with ``tensors()`` writes the
+  new rows into the pages' own buffers where nothing else in that graph reads the old
+  value (the graph's ownership rule; else it copies first): a write costs O(tokens
+  written), not O(pool). A realise without ``tensors()`` computes the writes it needs
+  functionally (copies) and donates nothing.
 * **gather** ``pages.take(slots)`` reads a sequence's keys through its block table.
 * **copy** carries out the manager's copy-on-write :class:`BlockCopy` instructions
   (a gather of the source slots written into the destination slots), before new tokens
   are written.
+* **attend** reads only the step's sequences' blocks, batched: each block table padded to
+  :func:`bucket` (a power of two) of blocks, the padding masked, so every step whose
+  longest sequence falls in one bucket has the same graph and reuses its plan.
 
 The store replaces its page tensors with the new lazy ones after each write; realise
-:meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``) so the
-chain of updates does not grow across steps.
+:meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``), all of
+them: a donated page tensor a realise read is spent (using it raises), so one left out of
+that realise could not be computed any more. The store owns its pages: what it hands out
+(gathers, attention, :meth:`pages`) reads them lazily, so realise it with or before the
+next realise of ``tensors()`` (after that its pages are spent, and realising it raises,
+never reads the new contents).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,11 +51,19 @@ from fuelspmd.dtypes import DType, int64, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
 from fuelspmd.functional import softmax
-from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
+from fuelspmd.graph import build as B
+from fuelspmd.tensor import Tensor, realize, tensor
 
-__all__ = ["MASKED", "LayerStep", "PagedKVStore"]
+__all__ = ["MASKED", "LayerStep", "PagedKVStore", "bucket"]
 
 MASKED = -1e9  # additive mask: exp underflows to exactly 0 in float32 and float64
+
+
+def bucket(blocks: int) -> int:
+    """The padded number of blocks of a step whose longest sequence spans ``blocks``: the
+    next power of two, so a sequence growing to n blocks passes log2(n) buckets (a plan
+    each) and reads at most twice its own keys."""
+    return 1 << max(0, int(blocks) - 1).bit_length()
 
 
 class PagedKVStore:
@@ -63,22 +83,49 @@ class PagedKVStore:
         self.dtype = as_dtype(dtype)
         self.num_slots = num_blocks * block_size
         shape = (self.num_slots, kv_heads, head_dim)
-        self._k = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
-        self._v = [zeros(shape, device=self.device, dtype=self.dtype) for _ in range(num_layers)]
+        # array-api-strict arrays cannot be donated (no integer-array assignment in the
+        # standard): its writes stay functional
+        self._inplace = self.device.kind != "strict"
+        self._roots: list[Tensor] = []  # realised pages that pending writes start from
+        # (pages read, the read) of the gathers handed out since the last tensors()
+        self._reads: list[tuple[Tensor, Tensor]] = []
+        self._last: tuple[Any, _Index] | None = None  # the last step's index, by its key
+        self._k = [self._zeros(shape) for _ in range(num_layers)]
+        self._v = [self._zeros(shape) for _ in range(num_layers)]
 
     # ---- views ------------------------------------------------------------------------
     def pages(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Layer ``layer``'s (keys, values), each ``[blocks, block_size, heads, head_dim]``."""
+        """Copies of layer ``layer``'s (keys, values), each ``[blocks, block_size, heads,
+        head_dim]`` (copies: the store writes its pages in place)."""
         self._layer(layer)
         shape = (self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        return self._k[layer].reshape(shape), self._v[layer].reshape(shape)
+        every = tensor(np.arange(self.num_slots, dtype=np.int64), device=self.device,
+                       dtype=int64)
+        k, v = self._read(layer, every)
+        return k.reshape(shape), v.reshape(shape)
 
     def tensors(self) -> list[Tensor]:
-        """Every page tensor, for realising with a step's outputs."""
-        return [*self._k, *self._v]
+        """Every page tensor (keys of each layer, then values), then the reads handed out
+        since the last call of pages a later write replaced (a gather before a write), not
+        yet realised: what to realise with a step's outputs. The pages the pending writes
+        start from are donated to that realise, which writes them in place, so a read left
+        lazy past it (an output of an earlier step never realised) has lost its pages and
+        raises ConfigError when realised: realise every output with or before the next
+        realise of ``tensors()``. The page tensors are the store's own buffers, which later
+        steps overwrite: read the pages through :meth:`pages` or :meth:`gather` (copies),
+        not their ``.numpy()``."""
+        if self._inplace:
+            for root in self._roots:
+                if root.node.buffer is not None:
+                    root.donate()
+        self._roots.clear()
+        now = {id(t) for t in (*self._k, *self._v)}
+        stale = [r for src, r in self._reads if id(src) not in now and r.node.buffer is None]
+        self._reads.clear()
+        return [*self._k, *self._v, *stale]
 
     def realize(self) -> None:
-        """Run every pending write (one graph)."""
+        """Run every pending write and read (one graph)."""
         realize(*self.tensors())
 
     def nbytes(self) -> int:
@@ -116,14 +163,13 @@ class PagedKVStore:
                                "table never holds a block twice")
         if idx.size == 0:
             return
-        self._k[layer] = self._put(self._k[layer], idx, k)
-        self._v[layer] = self._put(self._v[layer], idx, v)
+        self._write(layer, tensor(idx, device=self.device, dtype=int64), k, v)
 
     def gather(self, layer: int, slots: np.ndarray) -> tuple[Tensor, Tensor]:
         """Keys and values at ``slots`` (any int shape S): each ``S + [heads, head_dim]``."""
         self._layer(layer)
         idx = tensor(np.asarray(slots, dtype=np.int64), device=self.device, dtype=int64)
-        return self._k[layer].take(idx, 0), self._v[layer].take(idx, 0)
+        return self._read(layer, idx)
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         """Carry out copy-on-write instructions in every layer (before new tokens go in)."""
@@ -141,14 +187,15 @@ class PagedKVStore:
         """Write the new tokens' k/v, then causal attention of ``q`` over each sequence.
 
         ``k``, ``v``: ``[batch, t, kv_heads, head_dim]`` and ``q``: ``[batch, t, heads,
-        head_dim]`` (``heads`` a multiple of ``kv_heads``: query head j reads key/value head
-        ``j // (heads / kv_heads)``, grouped-query attention) for the tokens at positions
-        ``starts[i] .. starts[i]+t-1`` of sequence i (t = 1 when decoding, the uncached
-        part of the prompt at prefill). Each query at position p attends to the sequence's
-        keys at positions 0..p, read through ``tables[i]``:
-        ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by default), M =
-        ``MASKED`` past p and on the padding that makes the sequences one length. Returns
-        ``[batch, t, heads, head_dim]``.
+        head_dim]`` (``heads = g * kv_heads``: query head j reads key/value head ``j // g``,
+        grouped-query attention) for the tokens at positions ``starts[i] .. starts[i]+t-1``
+        of sequence i (t = 1 when decoding, the uncached part of the prompt at prefill).
+        Each query at position p attends to the sequence's keys at positions 0..p, read
+        through ``tables[i]``: ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by
+        default), M = ``MASKED`` past p and on the padding to ``L = block_size ·
+        bucket(blocks of the longest sequence)`` keys. The g query heads of a key/value
+        head are one matrix ``(g·t, d)`` against its keys ``(L, d)``: the keys are never
+        repeated per query head. Returns ``[batch, t, heads, head_dim]``.
         """
         b, t, h, d = q.shape
         kv = self.kv_heads
@@ -157,35 +204,21 @@ class PagedKVStore:
             raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape}: k "
                              f"and v must be {want} and q (batch, t, a multiple of {kv}, "
                              f"{self.head_dim})")
-        if len(tables) != b or len(starts) != b:
-            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
-                             f"starts for a batch of {b}; give one of each per sequence")
-        new = np.concatenate([self.slots(tables[i], starts[i], starts[i] + t)
-                              for i in range(b)])
-        self.write(layer, new, k.reshape(b * t, kv, d), v.reshape(b * t, kv, d))
-        length = max(starts) + t
-        idx = np.zeros((b, length), dtype=np.int64)
-        mask = np.full((b, 1, t, length), MASKED)
-        for i in range(b):
-            n = starts[i] + t
-            idx[i, :n] = self.slots(tables[i], 0, n)
-            pos = starts[i] + np.arange(t)
-            mask[i, 0] = np.where(np.arange(length)[None, :] <= pos[:, None], 0.0, MASKED)
-        keys, values = self.gather(layer, idx)             # (b, L, kv, d)
-
-        def heads(y: Tensor) -> Tensor:  # (b, L, kv, d) -> (b, h, L, d), each head repeated
-            y = y.transpose(0, 2, 1, 3)
-            if kv == h:
-                return y
-            return y.reshape(b, kv, 1, length, d).broadcast_to(
-                (b, kv, h // kv, length, d)).reshape(b, h, length, d)
-
-        qh = q.transpose(0, 2, 1, 3)                        # (b, h, t, d)
-        scores = (qh @ heads(keys).transpose(0, 1, 3, 2)) * (
-            1.0 / math.sqrt(d) if scale is None else scale)
-        m = tensor(mask.astype(to_numpy(self.dtype)), device=self.device, dtype=self.dtype)
-        p = softmax(scores + m, -1)
-        return (p @ heads(values)).transpose(0, 2, 1, 3)
+        ix = self._index(tables, starts, b, t)
+        self._write(layer, ix.new, k, v)
+        g, length = h // kv, ix.length
+        keys, values = self._read(layer, ix.read)
+        # query head j = (kv head j // g, its j % g-th query): (b, kv, g·t, d), rows (g, t)
+        qg = (q.reshape(b, kv, g, d) if t == 1 else  # one token: the transpose is a reshape
+              q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d))
+        scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
+            1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
+        if t == 1:  # the mask (b, 1, 1, L) broadcasts over the g rows
+            ctx = softmax(scores + ix.mask, -1) @ values.transpose(0, 2, 1, 3)
+            return ctx.reshape(b, 1, h, d)
+        p = softmax(scores.reshape(b, kv, g, t, length) + ix.mask, -1)
+        ctx = p.reshape(b, kv, g * t, length) @ values.transpose(0, 2, 1, 3)  # (b, kv, g·t, d)
+        return ctx.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
     def view(self, layer: int, *, tables: Sequence[Sequence[int]], starts: Sequence[int]
              ) -> LayerStep:
@@ -199,15 +232,76 @@ class PagedKVStore:
             raise CacheUsageError(f"layer {layer} is outside 0..{self.num_layers - 1}; the "
                                   f"store was built with num_layers={self.num_layers}")
 
-    def _put(self, pages: Tensor, idx: np.ndarray, values: Tensor) -> Tensor:
-        mask = np.zeros((self.num_slots, 1, 1), dtype=bool)
-        mask[idx] = True
-        where_t = tensor(mask, device=self.device)
-        slots = tensor(idx, device=self.device, dtype=int64)
-        spread = Tensor(graph.make("scatter_add", (values.astype(self.dtype).node, slots.node),
-                                   (0, pages.shape)))
-        return where(where_t, spread, pages)
+    def _zeros(self, shape: tuple[int, ...]) -> Tensor:
+        # written, not calloc'ed: the pool's memory is committed here, so no step pays a
+        # first-touch page fault (a 2 MiB zeroing under transparent huge pages)
+        arr = np.full(shape, 0, dtype=to_numpy(self.dtype))
+        return tensor(arr, device=self.device, dtype=self.dtype)
 
+    def _read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self._k[layer].take(slots, 0), self._v[layer].take(slots, 0)
+        self._reads += [(self._k[layer], k), (self._v[layer], v)]
+        return k, v
+
+    def _write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        self._k[layer] = self._put(self._k[layer], slots, k)
+        self._v[layer] = self._put(self._v[layer], slots, v)
+
+    def _put(self, pages: Tensor, slots: Tensor, values: Tensor) -> Tensor:
+        if pages.node.buffer is not None:  # a chain of writes starts: donated by tensors()
+            self._roots.append(pages)
+        return Tensor(graph.make("put", (pages.node, slots.node,
+                                         B.astype(values.node, self.dtype)), (0,)))
+
+    def _index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], b: int,
+               t: int) -> _Index:
+        """The step's host-built index tensors, made once and shared by every layer."""
+        if len(tables) != b or len(starts) != b:
+            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
+                             f"starts for a batch of {b}; give one of each per sequence")
+        key = (t, tuple(int(x) for x in starts), tuple(tuple(tb) for tb in tables))
+        if self._last is None or self._last[0] != key:
+            self._last = (key, _Index(self, key[2], key[1], t))
+        return self._last[1]
+
+
+class _Index:
+    """One step's slots as tensors: ``new`` (b, t) the new tokens' slots, ``read`` (b, L)
+    every cached slot of each sequence padded to ``L = block_size · bucket(blocks)`` with
+    slot 0, ``mask`` (b, 1, 1, t, L), (b, 1, 1, L) when t = 1: 0 where query j of
+    sequence i may read key p (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys
+    and the padding)."""
+
+    def __init__(self, store: PagedKVStore, tables: tuple[tuple[int, ...], ...],
+                 starts: tuple[int, ...], t: int) -> None:
+        bs, b = store.block_size, len(tables)
+        ends = np.asarray(starts, dtype=np.int64) + t
+        blocks = [len(tb) for tb in tables]
+        width = bucket(-(-int(ends.max()) // bs))
+        for i, (tb, n) in enumerate(zip(tables, ends)):
+            if n > len(tb) * bs or min(starts[i], *tb) < 0 or max(tb, default=0) >= \
+                    store.num_blocks:
+                store.slots(tb, starts[i], int(n))  # raises the error that names it
+        padded = np.zeros((b, max(width, *blocks)), dtype=np.int64)
+        for i, tb in enumerate(tables):
+            padded[i, :len(tb)] = tb
+        self.length = length = width * bs
+        pos = np.arange(length, dtype=np.int64)
+        read = padded[:, pos // bs] * bs + pos % bs
+        query = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(t)  # (b, t)
+        new = np.take_along_axis(read, query, 1)  # (b, t)
+        if np.unique(new).size != new.size:
+            raise RuntimeError(f"PagedKVStore.attend: the step writes slots {new.tolist()}, "
+                               "one twice; a block table never holds a block twice and "
+                               "no two sequences write one block")
+        ok = pos[None, None, :] <= query[:, :, None]  # (b, t, L)
+        read = np.where(pos[None, :] < ends[:, None], read, 0)
+        dt, dev = to_numpy(store.dtype), store.device
+        mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(
+            (b, 1, 1, length) if t == 1 else (b, 1, 1, t, length))
+        self.new = tensor(new, device=dev, dtype=int64)
+        self.read = tensor(read, device=dev, dtype=int64)
+        self.mask = tensor(mask, device=dev, dtype=store.dtype)
 
 
 class LayerStep:

@@ -30,7 +30,8 @@ Memory plan, decided here once per plan:
 - released buffers go to a pool keyed by (elements, dtype) only when a later step will
   allocate that key (simulated here), else they are dropped at once;
 - a fused step may write into an owned input that dies at that step (a *donor*), and an
-  in-place collective may take over such an input's buffer;
+  in-place collective or an op with an in-place kernel (``put``) may take over such an
+  input's buffer;
 - a fused step may also write members that later steps read (*exports*), so a chain of
   values saved for the backward is still one pass over memory.
 """
@@ -119,18 +120,24 @@ class Step:
 
 
 class Kernel(Step):
-    """An op's own Array API kernel; ``owns``: its output is a new buffer (not a view)."""
+    """An op's own Array API kernel; ``owns``: its output is a new buffer (not a view);
+    ``donate``: the kernel writes its input 0, which dies here, and returns it (``put``)."""
 
-    __slots__ = ("owns",)
+    __slots__ = ("donate", "owns")
     kind = "kernel"
 
     def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any,
                  owns: bool) -> None:
         super().__init__(out, ins, instr, backend)
         self.owns = owns
+        self.donate = False
 
     def run(self, vals: list[Any], mem: Memory) -> None:
         ins = self.instr
+        if self.donate:  # the output is the input's buffer: nothing allocated
+            vals[self.out] = ins.op.kernel(self.backend, ins.attrs,
+                                           *[vals[i] for i in self.ins], donate=True)
+            return
         out = ins.op.kernel(self.backend, ins.attrs, *[vals[i] for i in self.ins])
         if self.backend.kind == "cpu" and type(out) is not np.ndarray:
             out = np.asarray(out)  # numpy reduces to scalars; keep 0-d arrays
@@ -575,6 +582,10 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             u = s.ins[0]  # it lives until the wait
             s.donate = (storage[u] == u and writable[u] and not pinned[u]
                         and store_last[u] == s.pair and sum(storage[x] == u for x in s.ins) == 1)
+        elif isinstance(s, Kernel) and s.owns and s.instr.op.inplace_ok:
+            u = s.ins[0]  # the same rule as a fused step's donor: dies here, read once
+            s.donate = (storage[u] == u and writable[u] and not pinned[u]
+                        and store_last[u] == i and sum(storage[x] == u for x in s.ins) == 1)
     # simulate the pool: a released buffer is kept only for a later allocation of its key
     remaining: dict[PoolKey, int] = {}
     for s in steps:
@@ -595,6 +606,9 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
                 pooled[k] -= 1
         if isinstance(s, Start) and s.donate:  # the result takes over its input's buffer
             store_last[s.ins[0]] = -2
+        if isinstance(s, Kernel) and s.donate:  # as a fused root over its donor
+            store_last[s.ins[0]] = -2
+            s.drop.append(s.ins[0])
         if isinstance(s, Fused) and s.runner is not None and s.prog is not None:
             part = math.prod(s.runner.scratch_shape)
             s.scratch_pool = [keep((part, s.prog.temps[t]), s) for t in s.runner.scratch]

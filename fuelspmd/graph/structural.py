@@ -1,5 +1,6 @@
 """Shape-moving primitives: views (reshape, transpose, broadcast_to, slice), concat,
-gather (``take``) with its scatter-add adjoint, and the device move ``to``.
+gather (``take``) with its scatter-add adjoint, the indexed write ``put`` (in place where
+its destination is the graph's to overwrite), and the device move ``to``.
 
 Views alias their input's memory: the memory planner frees a buffer only when every view
 of it is dead, and never writes into a view.
@@ -15,7 +16,7 @@ from fuelspmd.dtypes import DType, Shape, broadcast_shapes
 from fuelspmd.errors import DTypeError, ShapeError
 
 from . import build as B
-from .node import Node, make
+from .node import Node, const, make
 from .op import Attrs, Op, register
 
 Rule = tuple[Shape, DType, Device]
@@ -193,6 +194,53 @@ def _scatter_add(be: Any, attrs: Attrs, g: Any, idx: Any) -> Any:
 
 register(Op("scatter_add", _scatter_rule, _scatter_add,
             lambda g, n, w: (make("take", (g, n.inputs[1]), (n.attrs[0],)), None)))
+
+
+# put: out = dest with out[..., idx[j], ...] = values[..., j, ...] along ``axis`` (indices
+# distinct: a block table never repeats a slot). Written where ``dest``'s buffer is the
+# graph's and dies here (the planner passes donate=True), the step costs O(values), not
+# O(dest): the paged KV store's page writes.
+def _put_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
+    (dest, idx, values), (axis,) = inputs, attrs
+    if not idx.dtype.is_integer:
+        raise DTypeError(f"put: indices must be int32 or int64, got {idx.dtype}")
+    want = dest.shape[:axis] + idx.shape + dest.shape[axis + 1:]
+    if values.shape != want:
+        raise ShapeError(f"put: values {values.shape} do not match {want} for indices "
+                         f"{idx.shape} into {dest.shape} along axis {axis}; give values of "
+                         f"shape {want}")
+    if values.dtype is not dest.dtype:
+        raise DTypeError(f"put: values are {values.dtype}, the destination {dest.dtype}; "
+                         "cast the values first")
+    return dest.shape, dest.dtype, dest.device
+
+
+def _put(be: Any, attrs: Attrs, dest: Any, idx: Any, values: Any, *,
+         donate: bool = False) -> Any:
+    """``dest`` with the indexed rows replaced; into ``dest`` itself when ``donate``."""
+    xp, (axis,) = be.xp, attrs
+    flat = xp.reshape(idx, (-1,))
+    rows = (*dest.shape[:axis], flat.shape[0], *dest.shape[axis + 1:])
+    vals = xp.reshape(values, rows)
+    if be.kind in ("cpu", "cuda"):
+        out = dest if donate else be.lib.array(dest, copy=True)
+        out[(*(slice(None),) * axis, flat)] = vals
+        return out
+    # the standard has no integer-array assignment: the scatter's one-hot form, exact
+    # (each written element is one value plus zeros)
+    hit = xp.any(flat[:, None] == xp.arange(dest.shape[axis], dtype=flat.dtype)[None, :], axis=0)
+    hit = xp.reshape(hit, (*(1,) * axis, dest.shape[axis], *(1,) * (dest.ndim - axis - 1)))
+    return xp.where(hit, _scatter_add(be, (axis, tuple(dest.shape)), vals, flat), dest)
+
+
+def _vjp_put(g: Node, n: Node, w: tuple[bool, ...]) -> tuple[Node | None, ...]:
+    _, idx, values = n.inputs
+    zero = const(0, values.shape, g.dtype, g.device)
+    return (make("put", (g, idx, zero), n.attrs) if w[0] else None, None,
+            make("take", (g, idx), n.attrs) if w[2] else None)
+
+
+register(Op("put", _put_rule, _put, _vjp_put, inplace_ok=(0,)))
 
 
 # to: attrs (dst, src); the node lives on dst.

@@ -57,17 +57,19 @@ class Generation:
 
 def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
            block_size: int = 16, samples: int = 1, prefix_caching: bool = True,
-           check_every: int = 16, coordinate: Literal["check", "leader"] = "check"
-           ) -> Generation:
+           check_every: int = 16, coordinate: Literal["check", "leader"] = "check",
+           num_blocks: int | None = None) -> Generation:
     """Prefill every prompt (prefix-cached), fork its samples, then decode ``new_tokens``
-    greedily; see the module docstring. Collective over ``model.comm``."""
+    greedily; see the module docstring. ``num_blocks``: the pool's size (default: what
+    the sequences need, plus one). Collective over ``model.comm``."""
     if new_tokens < 1 or samples < 1 or not prompts or min(map(len, prompts)) < 1:
         raise ConfigError(f"greedy: new_tokens={new_tokens}, samples={samples} and "
                           f"{len(prompts)} prompts: give at least one of each, and no "
                           "empty prompt")
     comm, k, bs = model.comm, samples, block_size
     per_seq = -(-(max(map(len, prompts)) + new_tokens) // bs)
-    manager = KVCacheManager(len(prompts) * k * per_seq + 1, bs,
+    need = len(prompts) * k * per_seq + 1
+    manager = KVCacheManager(need if num_blocks is None else num_blocks, bs,
                              enable_prefix_caching=prefix_caching)
     coord = KVCacheCoordinator(manager, comm=comm, every=check_every, mode=coordinate)
     layers, kv_heads, head_dim, dtype = model.kv_layout()

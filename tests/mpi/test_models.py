@@ -108,7 +108,7 @@ def test_logits_and_greedy_tokens_at_tp_world(world: fs.World, name: str) -> Non
     path, logits, tokens = reference(world, name)
     model = models.from_pretrained(path, comm=world.comm, dtype="float64")
     assert rel(model(IDS).numpy(), logits) < EXACT
-    if name in ("gpt2", "llama_tied"):
+    if name in ("gpt2", "llama", "llama_tied"):  # llama: 2 kv heads, shared over tp 4
         assert model.generate(H.prompts(), NEW, block_size=4, check_every=1) == tokens
 
 

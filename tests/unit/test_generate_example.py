@@ -111,3 +111,47 @@ def test_bench_kvcache_reports_the_expected_prefill_saving(capsys: pytest.Captur
     assert rows["on"]["hit_rate"] == pytest.approx(3 * 64 / (4 * 68))
     assert res["computed_share"] == pytest.approx(80 / 272)
     assert res["ttft_speedup"] > 0
+
+
+def test_pool_blocks_sizes_the_pool_and_changes_no_token(gen: ModuleType,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    base = _run(gen, capsys, "--devices", "cpu:1", "--check")
+    big = _run(gen, capsys, "--devices", "cpu:1", "--check", "--pool-blocks",
+               str(16 * base["blocks_total"]))
+    assert big["blocks_total"] == 16 * base["blocks_total"]
+    assert big["check"] == "EQUAL" and big["tokens"] == base["tokens"]
+    assert big["tokens_per_s"] > 0 and big["ttft_s"] > 0
+
+
+def test_bench_generate_reports_against_transformers(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """A 1-layer GPT-2: the tokens equal transformers' generate, and the first call makes
+    3 plans for its 8 tokens (the two prefill shapes, one decode bucket)."""
+    from fuelspmd.bench import generate
+
+    rc = generate.main(["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                        "--requests", "2", "--prefix", "16", "--suffix", "4",
+                        "--new-tokens", "4", "--block-size", "8", "--rounds", "1", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["candidate"]: r for r in res["rows"]}
+    assert set(rows) == {"hf", "tp1"} and rows["tp1"]["tokens_equal"] is True
+    assert rows["tp1"]["plan_misses_per_token"] == 3 / 8
+    assert [p["blocks"] for p in res["pools"]] == [7, 28, 112]  # 2 x 3 blocks + 1, x4, x16
+    assert res["tp1_over_hf"] > 0 and res["pool_ratio"] > 0
+
+
+@needs_mpiexec
+def test_bench_generate_at_tp_2_under_mpiexec() -> None:
+    job = run_job(mpiexec(2, sys.executable, "-m", "fuelspmd", "bench", "generate",
+                          "--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64",
+                          "--requests", "2", "--prefix", "16", "--suffix", "4",
+                          "--new-tokens", "3", "--block-size", "8", "--rounds", "1",
+                          "--json"), deadline=120)
+    assert job.code == 0, job.err
+    res = json.loads(job.out)  # rank 0 alone prints
+    rows = {r["candidate"]: r for r in res["rows"]}
+    assert set(rows) == {"hf", "tp1", "tp2"}
+    assert rows["tp1"]["tokens_equal"] is True and rows["tp2"]["tokens_equal"] is True
+    assert res["tp2_over_tp1"] > 0

@@ -38,6 +38,7 @@ def _mk(name: str, *attrs: object) -> Callable[..., fs.Tensor]:
 
 
 IDX = np.array([[2, 0], [2, 3]])
+PUT_IDX = np.array([[4, 0], [2, 1]])  # distinct, as put requires
 # name -> (lazy fn on tensors, numpy reference, inputs, which inputs are differentiable)
 CASES: dict[str, tuple[Callable[..., fs.Tensor], Callable[..., np.ndarray], list[np.ndarray],
                        tuple[int, ...]]] = {
@@ -80,6 +81,10 @@ CASES: dict[str, tuple[Callable[..., fs.Tensor], Callable[..., np.ndarray], list
                    (0,)),
     "scatter_add": (_mk("scatter_add", 0, (4, 3)), lambda g, i: _scatter_ref(g, i),
                     [_any(2, 2, 3), IDX], (0,)),
+    "put": (_mk("put", 0), lambda d, i, v: _put_ref(d, i, v, 0),
+            [_any(5, 3), PUT_IDX, _any(2, 2, 3)], (0, 2)),
+    "put_axis1": (_mk("put", 1), lambda d, i, v: _put_ref(d, i, v, 1),
+                  [_any(2, 5, 3), PUT_IDX, _any(2, 2, 2, 3)], (0, 2)),
     "sum": (lambda a: a.sum((0, 2)), lambda a: a.sum((0, 2)), [_any(2, 3, 4)], (0,)),
     "sum_keepdims": (lambda a: a.sum(1, keepdims=True), lambda a: a.sum(1, keepdims=True),
                      [_any(2, 3, 4)], (0,)),
@@ -105,6 +110,13 @@ def _unslice_ref(g: np.ndarray) -> np.ndarray:
 def _scatter_ref(g: np.ndarray, i: np.ndarray) -> np.ndarray:
     out = np.zeros((4, 3))
     np.add.at(out, i, g)
+    return out
+
+
+def _put_ref(d: np.ndarray, i: np.ndarray, v: np.ndarray, axis: int) -> np.ndarray:
+    out = d.copy()
+    index = (slice(None),) * axis + (i.reshape(-1),)
+    out[index] = v.reshape((*d.shape[:axis], i.size, *d.shape[axis + 1:]))
     return out
 
 

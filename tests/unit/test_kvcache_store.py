@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 import fuelspmd as fs
+from fuelspmd import graph
 from fuelspmd.distributed_cache import (
     CacheDivergenceError,
     KVCacheCoordinator,
     KVCacheManager,
     PagedKVStore,
 )
+from fuelspmd.distributed_cache.store import bucket
 from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,6 +63,31 @@ def test_overwrite_is_exact_and_leaves_other_slots_alone() -> None:
     want = a.copy()
     want[6], want[1] = b[0], b[1]
     assert np.array_equal(store.gather(0, np.arange(8))[0].numpy(), want)
+
+
+def test_a_read_left_lazy_keeps_its_value_or_raises_never_sees_new_pages() -> None:
+    """The pages are written in place: a gather made before an overwrite and realised
+    after it still gives the old values (the realise of ``tensors()`` realises it first);
+    a read left lazy past a later step's realise, and a page tensor the store replaced,
+    raise when used: neither shows the new contents."""
+    store = _store(layers=1)
+    a, b = _kv(4, 7), _kv(4, 8)
+    store.write(0, np.arange(4), fs.tensor(a), fs.tensor(a))
+    store.realize()
+    old_pages = store.tensors()[0]
+    before, _ = store.gather(0, np.arange(4))
+    store.write(0, np.arange(4), fs.tensor(b), fs.tensor(b))
+    store.realize()
+    assert np.array_equal(before.numpy(), a)
+    assert np.array_equal(store.gather(0, np.arange(4))[0].numpy(), b)
+    with pytest.raises(ConfigError, match="was donated"):
+        old_pages.numpy()
+    late, _ = store.gather(0, np.arange(4))  # reads the current pages, left lazy
+    store.realize()  # ... past this step
+    store.write(0, np.arange(4), fs.tensor(a), fs.tensor(a))
+    store.realize()
+    with pytest.raises(ConfigError, match="was donated"):
+        late.numpy()
 
 
 def test_copy_on_write_copies_the_shared_partial_block() -> None:
@@ -122,6 +149,60 @@ def test_attend_matches_numpy_over_ragged_batches(device: str) -> None:
     for i, n in enumerate(lens):
         ref = _attention(full_q[i][n:], full_k[i], full_v[i], n)
         assert np.allclose(out[i], ref, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_query_attention_reads_each_kv_head_for_its_query_heads() -> None:
+    """Four query heads over two key/value heads: query head j reads head j // 2."""
+    m = KVCacheManager(16, BS, enable_prefix_caching=False)
+    store = _store(num_blocks=16, layers=1)
+    n = 6
+    k, v, q = _kv(n, 40), _kv(n, 41), np.random.default_rng(42).standard_normal((n, 2 * H, D))
+    m.allocate(0, n)
+    out = store.attend(0, fs.tensor(q[None]), fs.tensor(k[None]), fs.tensor(v[None]),
+                       tables=[m.block_table(0)], starts=[0]).numpy()[0]
+    ref = _attention(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), 0)
+    assert np.allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def _decode(num_blocks: int, steps: int) -> tuple[list[int], list[bool], list[int], np.ndarray]:
+    """Two sequences decoding ``steps`` tokens through a store of ``num_blocks`` blocks:
+    per step the plan-cache misses, whether the pages kept their buffer, the live-bytes
+    peak; and the last step's output."""
+    ex = graph.default_executor()
+    m = KVCacheManager(num_blocks, BS, enable_prefix_caching=False)
+    store = _store(num_blocks=num_blocks, layers=1)
+    g = np.random.default_rng(3)
+    m.allocate(0, 3)
+    m.allocate(1, 6)
+    misses, same, peak = [], [], []
+    for _ in range(steps):
+        for s in (0, 1):
+            m.append(s, 1)
+        q, k, v = (fs.tensor(g.standard_normal((2, 1, H, D))) for _ in range(3))
+        before, buf = ex.cache.misses, store.tensors()[0].node.buffer
+        out = store.attend(0, q, k, v, tables=[m.block_table(0), m.block_table(1)],
+                           starts=[m.num_tokens(s) - 1 for s in (0, 1)])
+        fs.realize(out, *store.tensors())
+        misses.append(ex.cache.misses - before)
+        same.append(store.tensors()[0].node.buffer is buf)
+        peak.append(ex.peak_bytes)
+    return misses, same, peak, out.numpy()
+
+
+def test_decode_steps_write_in_place_and_reuse_the_plan_of_their_bucket() -> None:
+    """The longer sequence grows from 7 to 16 tokens, 2 to 4 blocks: buckets 2 and 4, so a
+    plan is made at the first step of each bucket and every other step reuses it. The
+    pages keep their buffers, and a pool 16x larger changes neither the live-bytes peak
+    (nothing of the pool's size is allocated) nor a bit of the output."""
+    small = _decode(8, 10)
+    misses, same, peak, out = small
+    buckets = [bucket(-(-(7 + i) // BS)) for i in range(10)]
+    first_of_bucket = [i == 0 or buckets[i] != buckets[i - 1] for i in range(10)]
+    assert misses == [int(f) for f in first_of_bucket] and sum(misses) == 2
+    assert all(same)
+    big = _decode(128, 10)
+    assert big[0] == misses and all(big[1]) and big[2] == peak
+    assert np.array_equal(big[3], out)
 
 
 def test_mistakes_raise_typed_errors() -> None:

@@ -80,7 +80,7 @@ def test_device_group_tp2_and_pp2_give_the_same_logits(hf: dict, name: str) -> N
     assert first.layer_range[1] == last.layer_range[0]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama_tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied"])
 def test_greedy_tokens_equal_transformers_generate(hf: dict, name: str) -> None:
     path, ref = hf[name]
     ps, n = H.prompts(), 8

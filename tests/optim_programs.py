@@ -48,7 +48,7 @@ def clip(comm: Any, max_norm: float, mesh: bool = True) -> dict[str, Any]:
         params.append(nn.Parameter(spec=spec, dtype="float64", device=comm.device))
         grads.append(fs.tensor(np.ascontiguousarray(spec.shard(g)), device=comm.device))
     out, norm = optim.clip_grad_norm(params, grads, max_norm, mesh=grid if mesh else None)
-    return {"norm": norm, "grads": [g.numpy() for g in out], "stage": stage,
+    return {"norm": float(norm), "grads": [g.numpy() for g in out], "stage": stage,
             "specs": [p.spec for p in params]}
 
 

@@ -185,9 +185,10 @@ class ZeRO1:
                              "chunk by chunk")
 
     def step(self, grads: Sequence[Tensor], *, reduced: bool = False,
-             max_norm: float | None = None, mesh: Mesh | None = None) -> float | None:
+             max_norm: float | None = None, mesh: Mesh | None = None) -> Tensor | None:
         """Reduce-scatter (unless ``reduced``: ``grads`` are :meth:`reduce`'s slices, chunk
-        by chunk), clip, update the owned slices, all-gather; see the module docs."""
+        by chunk), clip, update the owned slices, all-gather; see the module docs. Returns
+        the global norm before clipping (a float64 0-d tensor) when ``max_norm`` is given."""
         if max_norm is not None and not max_norm > 0:
             raise ConfigError(f"ZeRO1.step: max_norm={max_norm!r} must be > 0 (or None)")
         dp, params = self.dp, self.params
@@ -231,6 +232,7 @@ class ZeRO1:
                 for b, full in zip(self.buckets, outs)
                 for i, off, n in zip(b.index, b.offsets, b.sizes)]
         realize(*(v for _, v in news), *(m for m in self.shards if m is not None),
+                *(() if norm is None else (norm,)),
                 *(v for st in self.state for v in st.values()))
         for i, v in news:
             params[i].assign(v)

@@ -224,13 +224,13 @@ def test_check_rejects_a_wrong_gradient() -> None:
                           loss=st.loss)
     xs, ys = T.microbatches(0, 0, 0, args.microbatches, args.batch, cfg)
     res = ex.step(xs, ys)
-    good = T.check(mesh, [st], [0], res.grads[0], res.loss, cfg, args)
+    good = T.check(mesh, [st], [0], res.grads[0], float(res.loss), cfg, args)
     assert good["ok"], good["line"]
     names = [n for n, _ in st.named_parameters()]
     bad_grads = list(res.grads[0])
     k = names.index("blocks.0.attn.q.weight")
     bad_grads[k] = bad_grads[k] * 1.01
-    bad = T.check(mesh, [st], [0], bad_grads, res.loss, cfg, args)
+    bad = T.check(mesh, [st], [0], bad_grads, float(res.loss), cfg, args)
     assert not bad["ok"] and "FAILED" in bad["line"], bad["line"]
     assert 5e-3 < bad["worst"] < 2e-2
 

@@ -30,9 +30,9 @@ from fuelspmd.dtypes import DType, float32, float64
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.nn import Parameter
 from fuelspmd.optim.schedules import Schedule, as_schedule
-from fuelspmd.tensor import Tensor, host, realize, tensor, zeros
+from fuelspmd.tensor import Tensor, host, realize, tensor, where, zeros
 
-__all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype", "per_dtype"]
+__all__ = ["SGD", "AdamW", "Optimizer", "applied", "check_grads", "master_dtype", "per_dtype"]
 
 State = dict[str, Tensor]
 # (parameter index, state name, flat start, flat stop) -> those values of the saved state
@@ -69,6 +69,16 @@ def per_dtype(coefs: Tensor) -> Callable[[DType], list[Tensor]]:
             found = cast[dt] = [c[j] for j in range(c.shape[0])]
         return found
     return get
+
+
+def applied(apply: Tensor, w: Tensor, st: State, w0: Tensor, st0: State
+            ) -> tuple[Tensor, State]:
+    """The step's new value and state where ``apply`` holds, else the old ones (zeros
+    for a state the step creates)."""
+    return where(apply, w, w0), {
+        k: where(apply, v, st0[k] if k in st0 else zeros(v.shape, device=v.device,
+                                                          dtype=v.dtype))
+        for k, v in st.items()}
 
 
 def _params(owner: str, params: Sequence[Any]) -> list[Parameter]:
@@ -139,32 +149,44 @@ class Optimizer:
         raise NotImplementedError
 
     # ---- a step ----------------------------------------------------------------------
-    def next_coefficients(self, device: Any) -> Tensor:
+    def next_coefficients(self, device: Any, apply: Tensor | None = None) -> Tensor:
         """The next step's :meth:`coefficients` as a float64 tensor on ``device``;
-        computing them counts the step. Through ``fs.host``: at once in an uncompiled
-        step, on every call of a compiled one (``fs.compile``), which would otherwise bake
-        the first step's learning rate and bias corrections into every replay."""
+        computing them counts the step (unless ``apply``, a 0-d bool tensor, is false:
+        a skipped step). Through ``fs.host``: at once in an uncompiled step, on every
+        call of a compiled one (``fs.compile``), which would otherwise bake the first
+        step's learning rate and bias corrections into every replay."""
         n = len(self.coefficients(0.0, 1))
-        return host(self._advance, shape=(n,), dtype=float64, device=device)
+        inputs = () if apply is None else (apply,)
+        return host(self._advance, *inputs, shape=(n,), dtype=float64, device=device)
 
-    def _advance(self) -> np.ndarray:
+    def _advance(self, *apply: np.ndarray) -> np.ndarray:
         t = self.steps + 1
         c = self.coefficients(float(self.schedule(self.steps)), t)
-        self.steps = t
+        if not apply or bool(apply[0]):
+            self.steps = t
         return np.asarray(c, dtype=np.float64)
 
-    def step(self, grads: Sequence[Tensor]) -> None:
-        """Update every parameter in place from its gradient (one realised graph)."""
+    def step(self, grads: Sequence[Tensor], *, apply: Tensor | None = None) -> None:
+        """Update every parameter in place from its gradient (one realised graph).
+
+        ``apply``: a 0-d bool tensor; where it is false the step changes nothing (values,
+        state, step count), decided in the graph (a loss scaler's skipped step). A state
+        that the first step creates (SGD's momentum buffer) is zeros after a skipped first
+        step, which the next one reads as a buffer of zeros (the same numbers when
+        ``dampening`` is 0)."""
         check_grads(f"{type(self).__name__}.step", self.params, grads)
-        coefs = per_dtype(self.next_coefficients(self.params[0].device))
+        coefs = per_dtype(self.next_coefficients(self.params[0].device, apply))
         news: list[Tensor] = []
         for i, (p, g) in enumerate(zip(self.params, grads)):
-            w = self.master[i]
-            if w is None:
-                w = Tensor(p.node).astype(master_dtype(p.dtype))
-            g = g if g.dtype == w.dtype else g.astype(w.dtype)
-            w, self.state[i] = self.update(w, g, self.state[i] or self.init_state(w),
-                                           coef=coefs(w.dtype))
+            w0 = self.master[i]
+            if w0 is None:
+                w0 = Tensor(p.node).astype(master_dtype(p.dtype))
+            g = g if g.dtype == w0.dtype else g.astype(w0.dtype)
+            st0 = self.state[i] or self.init_state(w0)
+            w, st = self.update(w0, g, st0, coef=coefs(w0.dtype))
+            if apply is not None:
+                w, st = applied(apply, w, st, w0, st0)
+            self.state[i] = st
             if w.dtype != p.dtype:
                 self.master[i] = w
             news.append(w)

@@ -136,7 +136,8 @@ class StepRun:
             realize(out)
         else:
             forward = _unrealised([out.node])
-            effectful = [n for n in forward.values() if n.op.effectful]
+            # a collective (an op the transport starts); a host value is no collective
+            effectful = [n for n in forward.values() if n.op.start is not None]
             if effectful:
                 raise ConfigError(
                     f"PipelineExecutor: virtual stage {v} has a collective "

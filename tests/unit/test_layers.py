@@ -26,7 +26,7 @@ LAYERS = {
 PLUGIN_MAY_IMPORT = {"fuelspmd", "fuelspmd.transport", "fuelspmd.errors", "fuelspmd.dtypes",
                      "fuelspmd.backend"}
 OPTIONAL = {"mpi4py", "cupy", "cupyx", "torch", "pynvml", "nccl", "ml_dtypes",
-            "array_api_strict", "threadpoolctl"}
+            "array_api_strict", "threadpoolctl", "transformers"}
 
 
 def _unit(module: str) -> str:

@@ -30,7 +30,7 @@ from fuelspmd.nn import Parameter
 from fuelspmd.optim.optimizer import check_grads
 from fuelspmd.tensor import Tensor, concat, where, zeros
 
-__all__ = ["clip_by", "clip_grad_norm", "global_norm", "spread_over", "squares"]
+__all__ = ["clip_by", "clip_grad_norm", "global_norm", "scale_by", "spread_over", "squares"]
 
 _EPS = 1e-6  # torch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6)
 
@@ -113,7 +113,12 @@ def clip_by(grads: Sequence[Tensor], max_norm: float, norm: Tensor) -> list[Tens
     by the clamped coefficient always: times 1.0 changes no value). The coefficient is a
     graph value, cast once per gradient dtype, so no step's number is baked into a plan."""
     coef = max_norm / (norm + _EPS)
-    coef = where(coef < 1.0, coef, 1.0)
+    return scale_by(grads, where(coef < 1.0, coef, 1.0))
+
+
+def scale_by(grads: Sequence[Tensor], coef: Tensor) -> list[Tensor]:
+    """Each gradient times the 0-d ``coef``, cast once per gradient dtype (as a Python
+    number would be: rounded to that dtype, then multiplied)."""
     cast: dict[Any, Tensor] = {}
     out = []
     for g in grads:

@@ -28,6 +28,7 @@ import numpy as np
 from fuelspmd.comm import Communicator
 from fuelspmd.dtypes import float32
 from fuelspmd.errors import ConfigError
+from fuelspmd.optim.clip import scale_by
 from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
 
 __all__ = ["LossScaler"]
@@ -107,15 +108,7 @@ class LossScaler:
         if comm is not None and comm.size > 1:
             probe = comm.all_reduce(probe)
         finite = probe[0] == 0.0  # nan compares unequal
-        inv = 1.0 / self._tensors(device)[0]
-        cast: dict[Any, Tensor] = {}
-        out = []
-        for g in grads:
-            c = cast.get(g.dtype)
-            if c is None:
-                c = cast[g.dtype] = inv.astype(g.dtype)
-            out.append(g * c)
-        return out, finite
+        return scale_by(grads, 1.0 / self._tensors(device)[0]), finite
 
     def update(self, finite: Tensor | bool) -> None:
         """Adapt the scale after a step: back off and count a skip when not ``finite``,

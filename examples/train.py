@@ -10,6 +10,7 @@ The same program runs with ranks as processes or as devices of one process::
     mpiexec -n 8 python examples/train.py --dp 2 --zero --dropout 0.1   # ZeRO-1
     python examples/train.py --dtype bfloat16 --recompute   # 16-bit, recomputed blocks
     mpiexec -n 4 python examples/train.py --from DIR   # fine-tune a Hugging Face GPT-2/Llama
+    python examples/train.py --no-compile             # build every step's graph anew
 
 The model, written with :mod:`fuelspmd.nn`: a vocabulary-parallel embedding plus a learned
 position embedding, ``--layers`` pre-norm blocks ``x + drop(attn(ln(x)))``,
@@ -29,6 +30,13 @@ cosine, the gradient clipped by its global norm over the mesh (``--clip``); 16-b
 ``--dtype`` keeps float32 master weights in the optimiser, and float16 scales the loss
 dynamically (a step with an inf or nan is skipped on every rank). The summary gives rank
 0's peak bytes of saved activations, of the graph's working set and of optimiser state.
+
+The step (forward, backward, clip, scaler, AdamW) is one function compiled by
+``fs.compile``: traced on its first calls, then replayed without building a graph. Every
+number that changes per step stays in tensors for that (the clip coefficient, the loss
+scale and its skip decision, the learning rate through ``fs.host``, the dropout masks keyed
+by the step when they are made), so ``--no-compile`` gives the same losses bit for bit.
+With pp > 1 the step runs uncompiled (the pipeline posts its transfers outside the graph).
 
 The task, generated in code: arithmetic sequences ``x_t = (s + k t) mod V`` with a random
 start ``s`` and stride ``k`` in ``1..K`` per sequence. The model sees ``x_0 .. x_{T-1}`` and
@@ -294,46 +302,73 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     out["ideal_bubble"] = simulate(sched, 1.0, 2.0).bubble
     out["floor"] = loss_floor(cfg)
     bar = Progress(args.steps) if world.rank == 0 else None
+    # a pipeline's transfers are posted outside the graph (Communicator.post), which a
+    # compiled replay would not repeat: pp > 1 runs uncompiled
+    compiled = not args.no_compile and pp_ == 1
     fs.rank_print(world, f"mesh dp={dp_} pp={pp_} tp={tp_} ({world.size} ranks on "
                   f"{world.device.kind}), schedule {args.schedule} x{chunks}, "
                   f"{args.microbatches} micro-batches of {args.batch}, {cfg.layers} layers, "
                   f"hidden {cfg.hidden}, {cfg.dtype}{', ZeRO-1' if args.zero else ''}"
-                  f"{', recompute' if args.recompute else ''}")
+                  f"{', recompute' if args.recompute else ''}, "
+                  f"{'compiled' if compiled else 'uncompiled'}")
+    last: dict[str, Any] = {}
+
+    def one_step(xs: list[fs.Tensor] | None, ys: list[fs.Tensor] | None, keep: bool
+                 ) -> tuple[fs.Tensor, fs.Tensor | None, fs.Tensor, list[fs.Tensor]]:
+        """Forward, backward, clip and AdamW of one step, every number left in tensors so
+        that ``fs.compile`` can replay it: (mean loss, global norm, whether the step was
+        applied (float16: the scaler's finiteness check), the gradients when ``keep``)."""
+        res = last["res"] = ex.step(xs, ys)  # kept from the traced calls
+        grads = [g for gs in res.grads for g in gs]
+        if tied is not None:  # the first and last stages' copies of a tied table
+            grads[tied[0]] = tied[1].all_reduce(grads[tied[0]])
+        loss = res.loss
+        finite = None
+        if scaler is not None:
+            loss = loss / scaler.factor
+            grads, finite = scaler.unscale(grads, comm=world)
+        if isinstance(opt, optim.ZeRO1):
+            norm = opt.step(grads, reduced=True, max_norm=args.clip, mesh=mesh, apply=finite)
+        else:
+            clipped, norm = optim.clip_grad_norm(params, grads, args.clip, mesh=mesh)
+            opt.step(clipped, apply=finite)
+        if scaler is not None:
+            scaler.update(finite)
+        ok = fs.tensor(True, device=world.device) if finite is None else finite
+        return loss, norm, ok, grads if keep else []
+
+    step_fn = fs.compile(one_step) if compiled else one_step
     for step in range(args.steps):
         xs, ys = microbatches(args.seed, step, mesh.coord("dp"), args.microbatches,
                               args.batch, cfg)
         rng.set_step(step)
         t0 = time.perf_counter()
-        res = ex.step(xs if first else None, ys if lastv else None)
-        grads = [g for gs in res.grads for g in gs]
-        if tied is not None:  # the first and last stages' copies of a tied table
-            grads[tied[0]] = tied[1].all_reduce(grads[tied[0]])
-        finite = True
-        if scaler is not None:
-            res.loss /= scaler.value
-            grads, finite = scaler.unscale(grads, comm=world)
-            scaler.update(finite)
+        replays = step_fn.replays if compiled else 0
+        loss, norm, ok, grads = step_fn(
+            [fs.tensor(x, device=world.device) for x in xs] if first else None,
+            [fs.tensor(y, device=world.device) for y in ys] if lastv else None,
+            step == 0 and args.check)
+        dt = time.perf_counter() - t0
+        loss_f = float(loss)
         if step == 0 and args.check:
             full = opt.gather(grads) if isinstance(opt, optim.ZeRO1) else grads
-            out["check"] = check(mesh, stages, vs, full, res.loss, cfg, args)
-        if not finite:
+            out["check"] = check(mesh, stages, vs, full, loss_f, cfg, args)
+        if not bool(ok):
             out["skipped"] += 1
-        elif isinstance(opt, optim.ZeRO1):
-            out["norms"].append(opt.step(grads, reduced=True, max_norm=args.clip, mesh=mesh))
         else:
-            grads, norm = optim.clip_grad_norm(params, grads, args.clip, mesh=mesh)
-            opt.step(grads)
-            out["norms"].append(norm)
-        dt = time.perf_counter() - t0
-        timeline = ex.timeline()
-        out["losses"].append(res.loss)
+            out["norms"].append(float(norm))
+        res = last["res"]
+        if not compiled or step_fn.replays == replays:  # a replay runs no executor code
+            timeline = ex.timeline()
+            out["bubbles"].append(timeline.bubble)
+        out["losses"].append(loss_f)
         out["times"].append(dt)
-        out["bubbles"].append(timeline.bubble)
         out["peak_saved"] = max(out["peak_saved"], res.peak_saved_bytes)
         out["peak_run"] = max(out["peak_run"], res.peak_run_bytes)
         if bar is not None:
-            bar.update(step, res.loss, dt, timeline.bubble)
+            bar.update(step, loss_f, dt, out["bubbles"][-1])
     out["optimizer_bytes"] = opt.state_bytes()
+    out["replays"] = step_fn.replays if compiled else 0
     if args.trace and world.rank == 0:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(timeline), f)
@@ -507,6 +542,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="write the last step's measured timeline "
                    "as a Chrome trace (JSON) to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="build every step's graph "
+                   "anew instead of replaying the step compiled by fs.compile (the same "
+                   "losses, bit for bit)")
     p.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
                    help="fine-tune this Hugging Face GPT-2 or Llama directory on the task "
                         "(its vocabulary and layer count replace --vocab and --layers)")

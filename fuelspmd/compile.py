@@ -10,7 +10,9 @@ its end, the last one) and where each leaf a plan reads comes from:
 - an **output** of an earlier segment of the same call;
 - **carried state**: a value an earlier call produced (a Parameter's new value, an
   optimiser's moments, its master weights), found because the node read is the one that
-  call's segment output: there is no list of state to give, as with TinyJit;
+  call's segment output: there is no list of state to give, as with TinyJit (so a
+  state no later call reads, written but never read inside ``fn``, is not updated by a
+  replay: return it);
 - **held state**: any other leaf that existed before the call (a weight no step changes),
   read from that node at each call;
 - a **constant** of the trace: a leaf made inside ``fn`` (``fs.tensor(np.arange(n))``),

@@ -1,5 +1,5 @@
 """Training runs shared by tests/unit/test_compile.py and tests/mpi/test_compile.py: the
-bench's GPT-2-shaped model stepped uncompiled and under ``fs.compile`` from the same
+bench's GPT-2 (fuelspmd.models) stepped uncompiled and under ``fs.compile`` from the same
 weights and data, so the two can be compared bit for bit."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 import fuelspmd as fs
 from fuelspmd import optim
-from fuelspmd.bench.train import GPT, SIZES, batch, full_weights, make_step
+from fuelspmd.bench.train import SIZES, batch, gpt2, make_step
 from fuelspmd.comm import Communicator
 
 SIZE = SIZES["tiny"]
@@ -22,11 +22,11 @@ def train(comm: Communicator, *, compiled: bool, steps: int = STEPS, dtype: str 
           ) -> tuple[list[float], list[np.ndarray], Any]:
     """Losses of ``steps`` AdamW steps (a warm-up then cosine learning rate, so every step's
     coefficients differ), the final parameters, and the step function."""
-    model = GPT(SIZE, full_weights(SIZE, 0), comm=comm, dtype=dtype)
+    model = gpt2(SIZE, comm=comm, dtype=dtype)
     adam = optim.AdamW(model.parameters(), lr=optim.cosine(1e-2, steps, warmup=3),
                        weight_decay=0.1)
     opt = optim.ZeRO1(adam, dp=dp) if zero and dp is not None else adam
-    step = make_step(model, opt, dp=dp)
+    step = make_step(model, opt, comm=comm, dp=dp)
     fn = fs.compile(step) if compiled else step
     losses = []
     for i in range(steps):

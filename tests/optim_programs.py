@@ -48,7 +48,7 @@ def clip(comm: Any, max_norm: float, mesh: bool = True) -> dict[str, Any]:
         params.append(nn.Parameter(spec=spec, dtype="float64", device=comm.device))
         grads.append(fs.tensor(np.ascontiguousarray(spec.shard(g)), device=comm.device))
     out, norm = optim.clip_grad_norm(params, grads, max_norm, mesh=grid if mesh else None)
-    return {"norm": norm, "grads": [g.numpy() for g in out], "stage": stage,
+    return {"norm": float(norm), "grads": [g.numpy() for g in out], "stage": stage,
             "specs": [p.spec for p in params]}
 
 
@@ -86,12 +86,12 @@ def scaling(comm: Any) -> list[tuple[bool, float, np.ndarray]]:
     for step in range(5):
         big = 1e4 if (step == 2 and comm.rank == comm.size - 1) else 1.0  # 1e4 * 2^10 > 65504
         grads = fs.grad(scaler.scale((p * big).sum()), [p])
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # lazy: runs at `if finite`
             grads, finite = scaler.unscale(grads, comm=comm)
-        if finite:
-            opt.step(grads)
-        scaler.update(finite)
-        seen.append((finite, scaler.value, p.numpy().astype(np.float32)))
+            if finite:
+                opt.step(grads)
+            scaler.update(finite)
+        seen.append((bool(finite), scaler.value, p.numpy().astype(np.float32)))
     return seen
 
 

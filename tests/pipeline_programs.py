@@ -86,7 +86,7 @@ def run(comm: Any, kind: str, m: int, chunks: int, *, dp: int = 1, steps: int = 
     for _ in range(steps):  # the same step again: plans cached, nothing left over
         out = ex.step(xs if pp.rank == 0 else None, ts if pp.rank == p - 1 else None)
     grads = {v: [g.numpy() for g in gs] for v, gs in zip(mine, out.grads)}
-    return {"loss": out.loss, "grads": grads, "result": out, "timeline": ex.timeline()}
+    return {"loss": float(out.loss), "grads": grads, "result": out, "timeline": ex.timeline()}
 
 
 def reference(v_total: int, m: int, dp: int = 1) -> tuple[float, dict[int, list[np.ndarray]]]:

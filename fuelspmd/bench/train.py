@@ -3,22 +3,27 @@
     fuelspmd bench train [--vs torch] [--size small,medium] [--rounds 5] [--json]
     mpiexec -n 2 fuelspmd bench train --vs torch --mode tp,dp
 
-The model is GPT-2 shaped: token and position embeddings, pre-norm blocks
-``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` (4x wide GELU MLP, causal multi-head attention),
-a final norm and an untied head, mean next-token cross-entropy. ``small`` is 2 layers of
-width 64, ``medium`` 8 layers of width 512. The step is forward, backward and AdamW,
-timed three ways in interleaved rounds (torch, compiled, uncompiled, torch, ...): torch
-eager (its CPU build, one thread per rank like fuelspmd), fuelspmd's step under
-``fs.compile`` and the same step uncompiled, all from the same float32 weights.
+The model is :class:`fuelspmd.models.GPT2` (learned positions, pre-norm blocks, tanh GELU,
+the head tied to the token embedding) from a :class:`~fuelspmd.models.GPT2Config` of the
+size, its weights seeded; mean next-token cross-entropy. ``small`` is 2 layers of width
+64, ``medium`` 8 layers of width 512. Torch gets the same weights through the model's
+``save_pretrained`` directory (each rank writes its own): transformers'
+``GPT2LMHeadModel`` loads it for one process and for dp; for tp the same arrays go into a
+Megatron-style torch model (below). The step is forward, backward and AdamW, timed three
+ways in interleaved rounds (torch, compiled, uncompiled, torch, ...): torch eager (its
+CPU build, one thread per rank like fuelspmd), fuelspmd's step under ``fs.compile`` and
+the same step uncompiled. Each row also gives the two first losses' relative difference
+(the same weights and batch: float32 rounding apart).
 
-Modes: ``tp1`` one process; under ``mpiexec -n 2``, ``tp`` splits the heads and the MLP
-over the ranks (fuelspmd's ``ParallelAttention``/``ParallelMLP``; torch's written
-Megatron-style: autograd functions for the conjugate identity / all-reduce pair over
-gloo) and ``dp`` replicates the model and averages the gradients (fuelspmd's all_reduce
-over MPI in buckets of 4 MiB; torch's ``DistributedDataParallel`` over gloo, in its own
-buckets). Torch's process group starts in
-the same processes from the MPI rank and size (a file rendezvous in ``--rendezvous``).
-The ratios are the medians of compiled / torch and uncompiled / torch.
+Modes: ``tp1`` one process; under ``mpiexec -n 2``, ``tp`` splits the heads, the MLP and
+the vocabulary over the ranks (fuelspmd's model over the world Communicator: its
+vocabulary-parallel embedding, head and cross-entropy; torch's the same Megatron layout,
+autograd functions for the conjugate identity / all-reduce pair and a vocabulary-parallel
+cross-entropy over gloo) and ``dp`` replicates the model and averages the gradients
+(fuelspmd's all_reduce over MPI in buckets of 4 MiB; torch's ``DistributedDataParallel``
+over gloo, in its own buckets). Torch's process group starts in the same processes from the
+MPI rank and size (a file rendezvous in ``--rendezvous``). The ratios are the medians of
+compiled / torch and uncompiled / torch.
 """
 
 from __future__ import annotations
@@ -34,15 +39,15 @@ from typing import Any
 import numpy as np
 
 import fuelspmd as fs
-from fuelspmd import functional as F
-from fuelspmd import nn, optim
-from fuelspmd import tensor_parallel as tp
+from fuelspmd import models, optim
 from fuelspmd.bench import Column, median, parser, print_json, print_table
 from fuelspmd.comm import Communicator
 from fuelspmd.comm.communicator import BUCKET_BYTES
+from fuelspmd.tensor_parallel import vocab_parallel_cross_entropy
 from fuelspmd.transport import SelfTransport
 
-__all__ = ["GPT", "SIZES", "Size", "batch", "full_weights", "main", "make_step"]
+__all__ = ["SIZES", "Size", "batch", "config", "gpt2", "loss", "main", "make_step",
+           "save_weights", "torch_model"]
 
 
 @dataclass(frozen=True)
@@ -61,23 +66,18 @@ SIZES = {"tiny": Size(1, 16, 2, 32, 8, 2), "small": Size(2, 64, 4, 256, 32, 4),
          "medium": Size(8, 512, 8, 1024, 64, 2)}
 
 
-def full_weights(size: Size, seed: int = 0) -> dict[str, Any]:
-    """The unsharded float32 weights, a function of ``seed`` (every rank builds the same)."""
-    rng = np.random.default_rng(seed)
-    d, f = size.width, 4 * size.width
+def config(size: Size) -> models.GPT2Config:
+    """The GPT-2 config of a size (positions: the sequence length)."""
+    return models.GPT2Config(vocab_size=size.vocab, n_embd=size.width, n_layer=size.layers,
+                             n_head=size.heads, n_positions=size.seq)
 
-    def lin(n_in: int, n_out: int) -> list[np.ndarray]:
-        return [(rng.standard_normal((n_in, n_out)) * 0.02).astype(np.float32),
-                np.zeros(n_out, np.float32)]
 
-    def ln() -> list[np.ndarray]:
-        return [np.ones(d, np.float32), np.zeros(d, np.float32)]
-
-    blocks = [{"ln1": ln(), "attn": lin(d, d) + lin(d, d) + lin(d, d) + lin(d, d),
-               "ln2": ln(), "mlp": lin(d, f) + lin(f, d)} for _ in range(size.layers)]
-    return {"wte": (rng.standard_normal((size.vocab, d)) * 0.02).astype(np.float32),
-            "wpe": (rng.standard_normal((size.seq, d)) * 0.01).astype(np.float32),
-            "blocks": blocks, "lnf": ln(), "head": lin(d, size.vocab)}
+def gpt2(size: Size, *, comm: Communicator, dtype: str = "float32") -> models.GPT2:
+    """The bench's model on one TP rank of ``comm``, seeded (the same numbers at any TP
+    size), its head leaving the logits vocabulary-split for :func:`loss`."""
+    model = models.GPT2(config(size), comm=comm, seed=0, dtype=dtype)
+    model.head.gather_output = False
+    return model
 
 
 def batch(size: Size, seed: int, step: int, replica: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -87,47 +87,17 @@ def batch(size: Size, seed: int, step: int, replica: int = 0) -> tuple[np.ndarra
     return t[:, :-1].copy(), t[:, 1:].reshape(-1).copy()
 
 
-class Block(nn.Module):
-    """``x + attn(ln1(x))``, ``x + mlp(ln2(x))``; heads and MLP features split over comm."""
-
-    def __init__(self, size: Size, w: dict[str, Any], *, comm: Communicator, dtype: str) -> None:
-        kw: dict[str, Any] = {"device": comm.device, "dtype": dtype}
-        self.ln1 = nn.LayerNorm(size.width, full=w["ln1"], **kw)
-        self.attn = tp.ParallelAttention(size.width, size.heads, full=w["attn"], comm=comm,
-                                         dtype=dtype)
-        self.ln2 = nn.LayerNorm(size.width, full=w["ln2"], **kw)
-        self.mlp = tp.ParallelMLP(size.width, 4 * size.width, full=w["mlp"], comm=comm,
-                                  dtype=dtype)
-
-    def forward(self, x: fs.Tensor) -> fs.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+def loss(model: models.GPT2, ids: fs.Tensor, targets: fs.Tensor, *, comm: Communicator
+         ) -> fs.Tensor:
+    """Mean next-token cross-entropy of the vocabulary-split logits (float32 at least)."""
+    z = model(ids)
+    z = z.reshape(-1, z.shape[-1])
+    return vocab_parallel_cross_entropy(z if z.dtype.itemsize >= 4 else z.astype(fs.float32),
+                                        targets, comm=comm)
 
 
-class GPT(nn.Module):
-    """The GPT-2-shaped model of the module docstring on one TP rank of ``comm``."""
-
-    def __init__(self, size: Size, w: dict[str, Any], *, comm: Communicator,
-                 dtype: str = "float32") -> None:
-        self.size = size
-        kw: dict[str, Any] = {"device": comm.device, "dtype": dtype}
-        self.wte = nn.Embedding(size.vocab, size.width, full=w["wte"], **kw)
-        self.wpe = nn.Parameter(fs.tensor(w["wpe"], device=comm.device, dtype=dtype))
-        self.blocks = [Block(size, b, comm=comm, dtype=dtype) for b in w["blocks"]]
-        self.lnf = nn.LayerNorm(size.width, full=w["lnf"], **kw)
-        self.head = tp.ColumnParallelLinear(size.width, size.vocab, full=tuple(w["head"]),
-                                            comm=comm, gather_output=True, dtype=dtype)
-
-    def loss(self, ids: fs.Tensor, targets: fs.Tensor) -> fs.Tensor:
-        """Mean next-token cross-entropy (in float32 at least)."""
-        x = self.wte(ids) + self.wpe
-        for block in self.blocks:
-            x = block(x)
-        z = self.head(self.lnf(x)).reshape(-1, self.size.vocab)
-        return F.cross_entropy(z if z.dtype.itemsize >= 4 else z.astype(fs.float32), targets)
-
-
-def make_step(model: GPT, opt: Any, *, dp: Communicator | None = None) -> Any:
+def make_step(model: models.GPT2, opt: Any, *, comm: Communicator,
+              dp: Communicator | None = None) -> Any:
     """``step(ids, targets) -> loss``: forward, backward, the dp-mean of the gradients
     (unless the optimiser is ZeRO-1, which reduce-scatters them itself), realised as one
     graph (the loss with them: else its forward would run again), then the update."""
@@ -135,24 +105,54 @@ def make_step(model: GPT, opt: Any, *, dp: Communicator | None = None) -> Any:
     mean = dp is not None and dp.size > 1 and not isinstance(opt, optim.ZeRO1)
 
     def step(ids: fs.Tensor, targets: fs.Tensor) -> fs.Tensor:
-        loss = model.loss(ids, targets)
-        grads = fs.grad(loss, params)
+        value = loss(model, ids, targets, comm=comm)
+        grads = fs.grad(value, params)
         if mean:
             assert dp is not None
             grads = [dp.all_reduce(g, "avg") for g in grads]
-        fs.realize(loss, *grads)
+        fs.realize(value, *grads)
         opt.step(grads)
-        return loss
+        return value
 
     return step
 
 
-# ---- torch: the same model, eager ---------------------------------------------------------
-def torch_model(size: Size, w: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1,
+# ---- torch: the same model and weights, eager ---------------------------------------------
+def save_weights(size: Size, device: Any, path: str) -> str:
+    """Write the bench's weights to ``path`` as a Hugging Face directory, from this rank
+    alone (the model on a size-1 Communicator), for torch to load; return ``path``."""
+    gpt2(size, comm=Communicator(SelfTransport(), device=device)).save_pretrained(path)
+    return path
+
+
+def torch_model(size: Size, path: str, *, tp_rank: int = 0, tp_size: int = 1,
                 group: Any = None) -> Any:
-    """The model in torch with the same weights; with ``tp_size > 1`` this rank's Megatron
-    shards (column blocks of q, k, v, the MLP's first layer and the head; row blocks of
-    the attention output and the MLP's second layer) and the conjugate pair over gloo."""
+    """``model(ids, targets) -> loss`` in torch from the directory ``path``: transformers'
+    ``GPT2LMHeadModel`` (dropout off) when ``tp_size`` is 1; else this rank's Megatron
+    shards of the same arrays (column blocks of q, k, v and the MLP's first layer, row
+    blocks of the attention output and the MLP's second layer, row blocks of the tied
+    table: a vocabulary-parallel embedding and head) and the conjugate pair over gloo."""
+    import torch
+    import torch.nn.functional as tF
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(path, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+    if tp_size == 1:
+        class Whole(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.hf = hf
+
+            def forward(self, ids: Any, targets: Any) -> Any:
+                z = self.hf(input_ids=ids).logits
+                return tF.cross_entropy(z.reshape(-1, z.shape[-1]), targets)
+        return Whole()
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    return _megatron(size, sd, tp_rank, tp_size, group)
+
+
+def _megatron(size: Size, sd: dict[str, np.ndarray], rank: int, n: int, group: Any) -> Any:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as tF
@@ -179,107 +179,140 @@ def torch_model(size: Size, w: dict[str, Any], *, tp_rank: int = 0, tp_size: int
         def backward(ctx: Any, g: Any) -> Any:
             return g
 
-    def copy(x: Any) -> Any:
-        return Copy.apply(x) if tp_size > 1 else x
+    vp = size.vocab // n
+    lo = rank * vp
 
-    def reduce(x: Any) -> Any:
-        return Reduce.apply(x) if tp_size > 1 else x
+    class VocabCE(torch.autograd.Function):  # Megatron's vocabulary-parallel cross-entropy
+        @staticmethod
+        def forward(ctx: Any, z: Any, t: Any) -> Any:
+            z = z.clone()
+            top = z.max(-1).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            z -= top[:, None]
+            outside = (t < lo) | (t >= lo + vp)
+            idx = (t - lo).clamp(0, vp - 1)
+            rows = torch.arange(z.shape[0])
+            picked = z[rows, idx].masked_fill(outside, 0.0)
+            dist.all_reduce(picked, group=group)
+            e = z.exp()
+            total = e.sum(-1)
+            dist.all_reduce(total, group=group)
+            ctx.save_for_backward(e / total[:, None], outside, idx)
+            return (total.log() - picked).mean()
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            soft, outside, idx = ctx.saved_tensors
+            grad = soft.clone()
+            grad[torch.arange(grad.shape[0]), idx] -= (~outside).to(grad.dtype)
+            return grad * (g / grad.shape[0]), None
 
     def cols(a: np.ndarray) -> Any:
-        k = a.shape[-1] // tp_size
-        return torch.nn.Parameter(torch.tensor(a[..., tp_rank * k:(tp_rank + 1) * k].copy()))
+        k = a.shape[-1] // n
+        return torch.nn.Parameter(torch.tensor(a[..., rank * k:(rank + 1) * k].copy()))
 
     def rows(a: np.ndarray) -> Any:
-        k = a.shape[0] // tp_size
-        return torch.nn.Parameter(torch.tensor(a[tp_rank * k:(tp_rank + 1) * k].copy()))
+        k = a.shape[0] // n
+        return torch.nn.Parameter(torch.tensor(a[rank * k:(rank + 1) * k].copy()))
 
     def full(a: np.ndarray) -> Any:
         return torch.nn.Parameter(torch.tensor(a))
 
-    d, heads = size.width, size.heads // tp_size
-    hd = size.width // size.heads
+    d = size.width
+    heads, hd = size.heads // n, size.width // size.heads
     mask = torch.triu(torch.full((size.seq, size.seq), float("-inf")), 1)
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.wte, self.wpe = full(w["wte"]), full(w["wpe"])
+            self.wte = rows(sd["transformer.wte.weight"])
+            self.wpe = full(sd["transformer.wpe.weight"])
             self.blocks = torch.nn.ModuleList()
-            for b in w["blocks"]:
+            for i in range(size.layers):
+                h = f"transformer.h.{i}."
                 m = torch.nn.Module()
-                a = b["attn"]
-                m.ln1 = torch.nn.ParameterList([full(b["ln1"][0]), full(b["ln1"][1])])
-                m.qkv = torch.nn.ParameterList([cols(x) for x in a[:6]])
-                m.o = torch.nn.ParameterList([rows(a[6]), full(a[7])])
-                m.ln2 = torch.nn.ParameterList([full(b["ln2"][0]), full(b["ln2"][1])])
-                f = b["mlp"]
-                m.mlp = torch.nn.ParameterList([cols(f[0]), cols(f[1]), rows(f[2]), full(f[3])])
+                w, b = sd[h + "attn.c_attn.weight"], sd[h + "attn.c_attn.bias"]
+                m.ln1 = torch.nn.ParameterList([full(sd[h + "ln_1.weight"]),
+                                                full(sd[h + "ln_1.bias"])])
+                m.qkv = torch.nn.ParameterList(
+                    [p for j in range(3) for p in (cols(w[:, j * d:(j + 1) * d]),
+                                                   cols(b[j * d:(j + 1) * d]))])
+                m.o = torch.nn.ParameterList([rows(sd[h + "attn.c_proj.weight"]),
+                                              full(sd[h + "attn.c_proj.bias"])])
+                m.ln2 = torch.nn.ParameterList([full(sd[h + "ln_2.weight"]),
+                                                full(sd[h + "ln_2.bias"])])
+                m.mlp = torch.nn.ParameterList([cols(sd[h + "mlp.c_fc.weight"]),
+                                                cols(sd[h + "mlp.c_fc.bias"]),
+                                                rows(sd[h + "mlp.c_proj.weight"]),
+                                                full(sd[h + "mlp.c_proj.bias"])])
                 self.blocks.append(m)
-            self.lnf = torch.nn.ParameterList([full(w["lnf"][0]), full(w["lnf"][1])])
-            self.head = torch.nn.ParameterList([cols(w["head"][0]), cols(w["head"][1])])
+            self.lnf = torch.nn.ParameterList([full(sd["transformer.ln_f.weight"]),
+                                               full(sd["transformer.ln_f.bias"])])
 
         def forward(self, ids: Any, targets: Any) -> Any:
             bsz, t = ids.shape
-            x = self.wte[ids] + self.wpe
+            outside = (ids < lo) | (ids >= lo + vp)
+            e = self.wte[(ids - lo).clamp(0, vp - 1)].masked_fill(outside[..., None], 0.0)
+            x = Reduce.apply(e) + self.wpe[:t]
             for m in self.blocks:
-                h = copy(tF.layer_norm(x, (d,), m.ln1[0], m.ln1[1]))
+                h = Copy.apply(tF.layer_norm(x, (d,), m.ln1[0], m.ln1[1]))
                 q, k, v = (h @ m.qkv[2 * i] + m.qkv[2 * i + 1] for i in range(3))
                 q, k, v = (y.reshape(bsz, t, heads, hd).transpose(1, 2) for y in (q, k, v))
                 s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(hd)) + mask[:t, :t]
                 ctx = (s.softmax(-1) @ v).transpose(1, 2).reshape(bsz, t, heads * hd)
-                x = x + reduce(ctx @ m.o[0]) + m.o[1]
-                h = copy(tF.layer_norm(x, (d,), m.ln2[0], m.ln2[1]))
+                x = x + Reduce.apply(ctx @ m.o[0]) + m.o[1]
+                h = Copy.apply(tF.layer_norm(x, (d,), m.ln2[0], m.ln2[1]))
                 u = tF.gelu(h @ m.mlp[0] + m.mlp[1], approximate="tanh")
-                x = x + reduce(u @ m.mlp[2]) + m.mlp[3]
-            h = copy(tF.layer_norm(x, (d,), self.lnf[0], self.lnf[1]))
-            z = h @ self.head[0] + self.head[1]
-            if tp_size > 1:
-                from torch.distributed.nn.functional import all_gather
-                z = torch.cat(all_gather(z, group=group), -1)
-            return tF.cross_entropy(z.reshape(-1, size.vocab), targets)
+                x = x + Reduce.apply(u @ m.mlp[2]) + m.mlp[3]
+            h = Copy.apply(tF.layer_norm(x, (d,), self.lnf[0], self.lnf[1]))
+            return VocabCE.apply((h @ self.wte.T).reshape(bsz * t, vp), targets)
 
     return Model()
 
 
 # ---- the runs -----------------------------------------------------------------------------
-def _fuelspmd(size: Size, mode: str, world: Any, compiled: bool) -> Callable[[int], None]:
-    """One fuelspmd candidate: ``run(i)`` takes step ``i`` (forward, backward, AdamW)."""
+def _fuelspmd(size: Size, mode: str, world: Any, compiled: bool
+              ) -> Callable[[int], float]:
+    """One fuelspmd candidate: ``run(i)`` takes step ``i`` (forward, backward, AdamW) and
+    returns its loss."""
     solo = Communicator(SelfTransport(), device=world.device)
     comm = world.comm if mode == "tp" else solo
     dp = None
     if mode == "dp":  # the gradients' all-reduces bucketed, as DDP's are
         dp = Communicator(world.comm.transport.split(0, world.rank), device=world.device,
                           timeout=world.comm.timeout, bucket_bytes=BUCKET_BYTES)
-    model = GPT(size, full_weights(size), comm=comm)
-    step = make_step(model, optim.AdamW(model.parameters(), lr=1e-3), dp=dp)
+    model = gpt2(size, comm=comm)
+    step = make_step(model, optim.AdamW(model.parameters(), lr=1e-3), comm=comm, dp=dp)
     fn = fs.compile(step) if compiled else step
     replica = world.rank if mode == "dp" else 0
 
-    def run(i: int) -> None:
+    def run(i: int) -> float:
         ids, targets = batch(size, 1, i, replica)
-        fn(fs.tensor(ids, device=world.device), fs.tensor(targets, device=world.device)
-           ).numpy()
+        return float(fn(fs.tensor(ids, device=world.device),
+                        fs.tensor(targets, device=world.device)).numpy())
     return run
 
 
-def _torch(size: Size, mode: str, rank: int, n: int) -> Callable[[int], None]:
+def _torch(size: Size, mode: str, world: Any) -> Callable[[int], float]:
     import torch
 
+    rank, n = world.rank, world.size
     tp_size = n if mode == "tp" else 1
-    model = torch_model(size, full_weights(size), tp_rank=rank if mode == "tp" else 0,
-                        tp_size=tp_size)
+    with tempfile.TemporaryDirectory(prefix="fuelspmd-bench-train-") as path:
+        model = torch_model(size, save_weights(size, world.device, path),
+                            tp_rank=rank if mode == "tp" else 0, tp_size=tp_size)
     if mode == "dp" and n > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     replica = rank if mode == "dp" else 0
 
-    def run(i: int) -> None:
+    def run(i: int) -> float:
         ids, targets = batch(size, 1, i, replica)
-        loss = model(torch.from_numpy(ids), torch.from_numpy(targets))
+        value = model(torch.from_numpy(ids), torch.from_numpy(targets))
         opt.zero_grad()
-        loss.backward()
+        value.backward()
         opt.step()
-        loss.item()
+        return value.item()
     return run
 
 
@@ -303,10 +336,11 @@ def measure(size: Size, label: str, world: Any, *, rounds: int, reps: int, vs_to
     mode = "tp" if label == "tp1" else label
     cands: dict[str, Callable[[int], None]] = {}
     if vs_torch:
-        cands["torch"] = _torch(size, mode, world.rank, world.size)
+        cands["torch"] = _torch(size, mode, world)
     cands["compiled"] = _fuelspmd(size, mode, world, True)
     cands["uncompiled"] = _fuelspmd(size, mode, world, False)
     count = {k: 0 for k in cands}
+    first: dict[str, float] = {}
 
     def timed(name: str) -> float:
         run = cands[name]
@@ -319,8 +353,8 @@ def measure(size: Size, label: str, world: Any, *, rounds: int, reps: int, vs_to
 
     for name in cands:
         for _ in range(4):
-            run = cands[name]
-            run(count[name])
+            value = cands[name](count[name])
+            first.setdefault(name, value)
             count[name] += 1
     times: dict[str, list[float]] = {k: [] for k in cands}
     for _ in range(rounds):
@@ -333,6 +367,8 @@ def measure(size: Size, label: str, world: Any, *, rounds: int, reps: int, vs_to
         row["compiled_vs_torch"] = row["compiled_ms"] / row["torch_ms"]
         row["uncompiled_vs_torch"] = row["uncompiled_ms"] / row["torch_ms"]
     row["compiled_vs_uncompiled"] = row["compiled_ms"] / row["uncompiled_ms"]
+    if vs_torch:  # step 0 from the same weights and batch
+        row["first_loss_rel_diff"] = abs(first["compiled"] - first["torch"]) / first["torch"]
     return row
 
 

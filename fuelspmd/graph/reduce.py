@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fuelspmd.backend import Device
@@ -82,9 +83,20 @@ def _swap(x: Node) -> Node:
 
 
 def _vjp_matmul(g: Node, n: Node, w: tuple[bool, ...]) -> tuple[Node | None, ...]:
+    """``ga = g b^T`` and ``gb = a^T g``, each summed over the axes it was broadcast
+    along. ``x @ W`` with a batched ``x`` and a 2-d ``W`` (every layer's weight) gives
+    ``W``'s gradient as one product of the rows, ``x.reshape(-1, k)^T g.reshape(-1, n)``,
+    instead of a batch of products and a sum over the batch: one BLAS call on a large
+    operand instead of many on small ones, and no batch of partial products in memory."""
     a, b = n.inputs
-    return (B.unbroadcast(B.matmul(g, _swap(b)), a.shape) if w[0] else None,
-            B.unbroadcast(B.matmul(_swap(a), g), b.shape) if w[1] else None)
+    ga = B.unbroadcast(B.matmul(g, _swap(b)), a.shape) if w[0] else None
+    if not w[1]:
+        return ga, None
+    if len(b.shape) == 2 and len(a.shape) > 2:
+        rows = math.prod(a.shape[:-1])
+        return ga, B.matmul(_swap(B.reshape(a, (rows, a.shape[-1]))),
+                            B.reshape(g, (rows, g.shape[-1])))
+    return ga, B.unbroadcast(B.matmul(_swap(a), g), b.shape)
 
 
 register(Op("matmul", _matmul_rule, lambda be, attrs, a, b: be.xp.matmul(a, b), _vjp_matmul))

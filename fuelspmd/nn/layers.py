@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from fuelspmd.dtypes import DType, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.functional import embedding, layer_norm, rms_norm
-from fuelspmd.tensor import Tensor, tensor
+from fuelspmd.tensor import Tensor, host, tensor
 
 from .module import Module
 from .parameter import Parameter, Spec
@@ -190,11 +191,36 @@ class Dropout(Module):
             return x
         dim = self.dim % x.ndim
         full = list(x.shape)
-        index: list[slice] = [slice(None)] * x.ndim
+        lo, hi = 0, x.shape[dim]
         if self.comm is not None and self.comm.size > 1:
             n = x.shape[dim]
             full[dim] = n * self.comm.size
-            index[dim] = slice(self.comm.rank * n, (self.comm.rank + 1) * n)
-        keep = self.rng.keep(self.layer, tuple(full), self.p)[tuple(index)]
-        scale = (keep / (1.0 - self.p)).astype(to_numpy(x.dtype))
-        return x * tensor(np.ascontiguousarray(scale), device=x.device)
+            lo, hi = self.comm.rank * n, (self.comm.rank + 1) * n
+        mask = _Mask(self.rng, self.layer, self.rng.micro, tuple(full), dim, lo, hi, self.p,
+                     to_numpy(x.dtype).str)
+        return x * host(mask, shape=x.shape, dtype=x.dtype, device=x.device)
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """The scaled keep mask ``keep / (1 - p)`` of one Dropout call, this rank's block
+    ``lo:hi`` along ``dim`` of the full mask. Made through ``fs.host``: the micro-batch
+    and layer are fixed when the forward is built, the step is read from ``rng`` when
+    the mask is made, so a compiled step (``fs.compile``) draws each replay's own masks
+    (the loop sets the step outside it) and an uncompiled one the same masks as ever."""
+
+    rng: DropoutRNG
+    layer: int
+    micro: int
+    full: tuple[int, ...]
+    dim: int
+    lo: int
+    hi: int
+    p: float
+    dtype: str
+
+    def __call__(self) -> np.ndarray:
+        keep = self.rng.keep(self.layer, self.full, self.p, micro=self.micro)
+        index = [slice(None)] * len(self.full)
+        index[self.dim] = slice(self.lo, self.hi)
+        return np.ascontiguousarray((keep[tuple(index)] / (1.0 - self.p)).astype(self.dtype))

@@ -23,7 +23,10 @@ class DropoutRNG:
         """Key the next forward's masks by ``(step, micro)``; build its backward first."""
         self.step, self.micro = int(step), int(micro)
 
-    def keep(self, layer: int, shape: tuple[int, ...], p: float) -> np.ndarray:
-        """The full boolean keep mask of ``layer`` at the current step."""
-        rng = np.random.default_rng([self.seed, self.step, self.micro, int(layer)])
+    def keep(self, layer: int, shape: tuple[int, ...], p: float, *,
+             micro: int | None = None) -> np.ndarray:
+        """The full boolean keep mask of ``layer`` at the current step (and micro-batch,
+        or ``micro``)."""
+        micro = self.micro if micro is None else micro
+        rng = np.random.default_rng([self.seed, self.step, micro, int(layer)])
         return rng.random(shape) >= p

@@ -12,12 +12,13 @@ Layer 7. The norm is the 2-norm of the *unsharded* model's gradient, what
   summed (ZeRO-1 holds dp *shards* instead, and sums them: :func:`global_norm`'s ``dp``).
 
 Squares accumulate in float64, and every rank of the mesh gets the same norm (it is made
-from all-reduced partial sums), so every rank clips alike.
+from all-reduced partial sums), so every rank clips alike. The norm and the clip
+coefficient stay lazy 0-d tensors (nothing is read to the host), so a step that clips
+compiles (``fs.compile``): every replay clips by its own norm.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,9 +28,9 @@ from fuelspmd.errors import ConfigError
 from fuelspmd.mesh import Mesh
 from fuelspmd.nn import Parameter
 from fuelspmd.optim.optimizer import check_grads
-from fuelspmd.tensor import Tensor, concat, zeros
+from fuelspmd.tensor import Tensor, concat, where, zeros
 
-__all__ = ["clip_by", "clip_grad_norm", "global_norm", "spread_over", "squares"]
+__all__ = ["clip_by", "clip_grad_norm", "global_norm", "scale_by", "spread_over", "squares"]
 
 _EPS = 1e-6  # torch's clip_grad_norm_: coefficient max_norm / (norm + 1e-6)
 
@@ -71,10 +72,11 @@ def squares(parts: Iterable[tuple[Tensor, Communicator | None]], device: Any,
 
 
 def global_norm(rep: Tensor, sharded: Sequence[tuple[Communicator, Tensor]], *,
-                mesh: Mesh | None = None, dp: Communicator | None = None) -> float:
+                mesh: Mesh | None = None, dp: Communicator | None = None) -> Tensor:
     """The 2-norm from :func:`squares`' sums: each (over ``dp`` first, when the values are
     dp shards) summed over its communicator, then the stages' totals over the mesh's
-    ``pp``. Collective over every communicator named; the same float on every rank."""
+    ``pp``. Collective over every communicator named; a lazy float64 0-d tensor, the same
+    on every rank."""
     if dp is not None and dp.size > 1:
         both = dp.all_reduce(concat([rep.reshape(1), *(s.reshape(1) for _, s in sharded)]))
         rep = both[0]
@@ -84,14 +86,15 @@ def global_norm(rep: Tensor, sharded: Sequence[tuple[Communicator, Tensor]], *,
         total = total + comm.all_reduce(s)
     if mesh is not None and mesh.shape["pp"] > 1:
         total = mesh.comm("pp").all_reduce(total)
-    return math.sqrt(float(total.numpy()))
+    return total.sqrt()
 
 
 def clip_grad_norm(params: Sequence[Parameter], grads: Sequence[Tensor], max_norm: float, *,
-                   mesh: Mesh | None = None) -> tuple[list[Tensor], float]:
+                   mesh: Mesh | None = None) -> tuple[list[Tensor], Tensor]:
     """Scale ``grads`` by ``max_norm / (norm + 1e-6)`` when that is below 1, where ``norm``
     is the global 2-norm of the unsharded gradient (see the module docs); return the
-    gradients and the norm (before clipping).
+    gradients and the norm before clipping (a lazy float64 0-d tensor: ``float(norm)``
+    reads it).
 
     Without ``mesh`` the sums go over the communicators in the parameters' specs only (a
     plain TP model); with it, over the stages too. Collective over those communicators.
@@ -105,7 +108,22 @@ def clip_grad_norm(params: Sequence[Parameter], grads: Sequence[Tensor], max_nor
     return clip_by(grads, max_norm, norm), norm
 
 
-def clip_by(grads: Sequence[Tensor], max_norm: float, norm: float) -> list[Tensor]:
-    """``grads`` times ``max_norm / (norm + 1e-6)`` when that is below 1 (torch's rule)."""
+def clip_by(grads: Sequence[Tensor], max_norm: float, norm: Tensor) -> list[Tensor]:
+    """``grads`` times ``min(1, max_norm / (norm + 1e-6))`` (torch's rule, which multiplies
+    by the clamped coefficient always: times 1.0 changes no value). The coefficient is a
+    graph value, cast once per gradient dtype, so no step's number is baked into a plan."""
     coef = max_norm / (norm + _EPS)
-    return list(grads) if coef >= 1.0 else [g * coef for g in grads]
+    return scale_by(grads, where(coef < 1.0, coef, 1.0))
+
+
+def scale_by(grads: Sequence[Tensor], coef: Tensor) -> list[Tensor]:
+    """Each gradient times the 0-d ``coef``, cast once per gradient dtype (as a Python
+    number would be: rounded to that dtype, then multiplied)."""
+    cast: dict[Any, Tensor] = {}
+    out = []
+    for g in grads:
+        c = cast.get(g.dtype)
+        if c is None:
+            c = cast[g.dtype] = coef.astype(g.dtype)
+        out.append(g * c)
+    return out

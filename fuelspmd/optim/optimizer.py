@@ -30,9 +30,9 @@ from fuelspmd.dtypes import DType, float32, float64
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.nn import Parameter
 from fuelspmd.optim.schedules import Schedule, as_schedule
-from fuelspmd.tensor import Tensor, host, realize, tensor, zeros
+from fuelspmd.tensor import Tensor, concat, host, realize, tensor, where, zeros
 
-__all__ = ["SGD", "AdamW", "Optimizer", "check_grads", "master_dtype", "per_dtype"]
+__all__ = ["SGD", "AdamW", "Optimizer", "applied", "check_grads", "master_dtype", "per_dtype"]
 
 State = dict[str, Tensor]
 # (parameter index, state name, flat start, flat stop) -> those values of the saved state
@@ -69,6 +69,60 @@ def per_dtype(coefs: Tensor) -> Callable[[DType], list[Tensor]]:
             found = cast[dt] = [c[j] for j in range(c.shape[0])]
         return found
     return get
+
+
+def applied(apply: Tensor, w: Tensor, st: State, w0: Tensor, st0: State
+            ) -> tuple[Tensor, State]:
+    """The step's new value and state where ``apply`` holds, else the old ones (zeros
+    for a state the step creates)."""
+    return where(apply, w, w0), {
+        k: where(apply, v, st0[k] if k in st0 else zeros(v.shape, device=v.device,
+                                                          dtype=v.dtype))
+        for k, v in st.items()}
+
+
+class _Group:
+    """The parameters of one dtype and device (by index), updated as one flat tensor:
+    ``master`` the dtype of the update, each parameter's slice at its offset."""
+
+    def __init__(self, params: Sequence[Parameter], index: list[int]) -> None:
+        self.index = index
+        p = params[index[0]]
+        self.dtype, self.master = p.dtype, master_dtype(p.dtype)
+        self.shapes = [params[i].shape for i in index]
+        sizes = [math.prod(s) for s in self.shapes]
+        self.offsets = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+
+    def concat(self, parts: Sequence[Tensor]) -> Tensor:
+        """The flat concatenation of one tensor per parameter (in ``index`` order)."""
+        flat = [t.reshape(-1) for t in parts]
+        return flat[0] if len(flat) == 1 else concat(flat)
+
+    def pieces(self) -> list[tuple[int, Callable[[Tensor], Tensor]]]:
+        """(parameter index, flat tensor -> that parameter's slice in its shape)."""
+        out: list[tuple[int, Callable[[Tensor], Tensor]]] = []
+        for k, (i, shape) in enumerate(zip(self.index, self.shapes)):
+            lo, hi = self.offsets[k], self.offsets[k + 1]
+            if len(self.index) == 1:
+                out.append((i, lambda t, shape=shape: t.reshape(shape)))
+            else:
+                out.append((i, lambda t, lo=lo, hi=hi, shape=shape: t[lo:hi].reshape(shape)))
+        return out
+
+
+FLAT_ELEMENTS = 1 << 16  # parameters up to this size update together (see _groups)
+
+
+def _groups(params: Sequence[Parameter]) -> list[_Group]:
+    """The parameters grouped for the update: those of at most ``FLAT_ELEMENTS`` by
+    (dtype, device), each larger one alone. A small parameter's update costs the fixed
+    cost of its ops more than their work, so a group shares it; a large one would pay a
+    concatenation (a copy of its gradient and value per step) for nothing."""
+    by: dict[tuple[Any, ...], list[int]] = {}
+    for i, p in enumerate(params):
+        key = (p.dtype, p.device) if math.prod(p.shape) <= FLAT_ELEMENTS else (i,)
+        by.setdefault(key, []).append(i)
+    return [_Group(params, index) for index in by.values()]
 
 
 def _params(owner: str, params: Sequence[Any]) -> list[Parameter]:
@@ -113,9 +167,13 @@ class Optimizer:
         self.schedule: Schedule = as_schedule(lr)
         self.steps = 0
         # float32 copies of 16-bit parameters, made at their first step (a parameter may
-        # be created without data and filled after the optimiser is built)
-        self.master: list[Tensor | None] = [None] * len(self.params)
-        self.state: list[State] = [{} for _ in self.params]
+        # be created without data and filled after the optimiser is built); per
+        # parameter (as loaded, or views of the flat values) and per group (flat), see
+        # :meth:`step`: one of the two is None when the other is the current one
+        self._per: tuple[list[State], list[Tensor | None]] | None = (
+            [{} for _ in self.params], [None] * len(self.params))
+        self._flat: list[tuple[State, Tensor | None]] | None = None
+        self._groups = _groups(self.params)
 
     @property
     def lr(self) -> float:
@@ -139,47 +197,109 @@ class Optimizer:
         raise NotImplementedError
 
     # ---- a step ----------------------------------------------------------------------
-    def next_coefficients(self, device: Any) -> Tensor:
+    def next_coefficients(self, device: Any, apply: Tensor | None = None) -> Tensor:
         """The next step's :meth:`coefficients` as a float64 tensor on ``device``;
-        computing them counts the step. Through ``fs.host``: at once in an uncompiled
-        step, on every call of a compiled one (``fs.compile``), which would otherwise bake
-        the first step's learning rate and bias corrections into every replay."""
+        computing them counts the step (unless ``apply``, a 0-d bool tensor, is false:
+        a skipped step). Through ``fs.host``: at once in an uncompiled step, on every
+        call of a compiled one (``fs.compile``), which would otherwise bake the first
+        step's learning rate and bias corrections into every replay."""
         n = len(self.coefficients(0.0, 1))
-        return host(self._advance, shape=(n,), dtype=float64, device=device)
+        inputs = () if apply is None else (apply,)
+        return host(self._advance, *inputs, shape=(n,), dtype=float64, device=device)
 
-    def _advance(self) -> np.ndarray:
+    def _advance(self, *apply: np.ndarray) -> np.ndarray:
         t = self.steps + 1
         c = self.coefficients(float(self.schedule(self.steps)), t)
-        self.steps = t
+        if not apply or bool(apply[0]):
+            self.steps = t
         return np.asarray(c, dtype=np.float64)
 
-    def step(self, grads: Sequence[Tensor]) -> None:
-        """Update every parameter in place from its gradient (one realised graph)."""
+    @property
+    def state(self) -> list[State]:
+        """Per parameter (by index): its state tensors (views of the flat ones)."""
+        return self._views()[0]
+
+    @property
+    def master(self) -> list[Tensor | None]:
+        """Per parameter: its float32 master copy (16-bit parameters after a step)."""
+        return self._views()[1]
+
+    def _views(self) -> tuple[list[State], list[Tensor | None]]:
+        if self._per is None:
+            assert self._flat is not None
+            state: list[State] = [{} for _ in self.params]
+            master: list[Tensor | None] = [None] * len(self.params)
+            for grp, (st, m) in zip(self._groups, self._flat):
+                for i, piece in grp.pieces():
+                    state[i] = {k: piece(v) for k, v in st.items()}
+                    master[i] = None if m is None else piece(m)
+            self._per = (state, master)
+        return self._per
+
+    def step(self, grads: Sequence[Tensor], *, apply: Tensor | None = None) -> None:
+        """Update every parameter in place from its gradient (one realised graph).
+
+        The small parameters of one dtype update as one flat tensor (the gradients, the
+        values and the state concatenated: the elementwise math is the same, each op runs
+        once over all of them instead of once per parameter), their state and master
+        weights kept flat between steps; each parameter receives its slice.
+
+        ``apply``: a 0-d bool tensor; where it is false the step changes nothing (values,
+        state, step count), decided in the graph (a loss scaler's skipped step). A state
+        that the first step creates (SGD's momentum buffer) is zeros after a skipped first
+        step, which the next one reads as a buffer of zeros (the same numbers when
+        ``dampening`` is 0)."""
         check_grads(f"{type(self).__name__}.step", self.params, grads)
-        coefs = per_dtype(self.next_coefficients(self.params[0].device))
-        news: list[Tensor] = []
-        for i, (p, g) in enumerate(zip(self.params, grads)):
-            w = self.master[i]
-            if w is None:
-                w = Tensor(p.node).astype(master_dtype(p.dtype))
-            g = g if g.dtype == w.dtype else g.astype(w.dtype)
-            w, self.state[i] = self.update(w, g, self.state[i] or self.init_state(w),
-                                           coef=coefs(w.dtype))
-            if w.dtype != p.dtype:
-                self.master[i] = w
-            news.append(w)
-        cast = [w if w.dtype == p.dtype else w.astype(p.dtype)
-                for p, w in zip(self.params, news)]
-        realize(*cast, *news, *(v for st in self.state for v in st.values()))
-        for p, w in zip(self.params, cast):
+        coefs = per_dtype(self.next_coefficients(self.params[0].device, apply))
+        flat = self._flat if self._flat is not None else self._flatten()
+        out: list[tuple[State, Tensor | None]] = []
+        news: list[Tensor | None] = [None] * len(self.params)
+        for grp, (st0, m0) in zip(self._groups, flat):
+            mdt = grp.master
+            g = grp.concat([g if g.dtype == mdt else g.astype(mdt)
+                            for g in (grads[i] for i in grp.index)])
+            w0 = m0 if m0 is not None else grp.concat(
+                [Tensor(self.params[i].node).astype(mdt) for i in grp.index])
+            st0 = st0 or self.init_state(w0)
+            w, st = self.update(w0, g, st0, coef=coefs(mdt))
+            if apply is not None:
+                w, st = applied(apply, w, st, w0, st0)
+            out.append((st, w if mdt != grp.dtype else None))
+            cast = w if mdt == grp.dtype else w.astype(grp.dtype)
+            for i, piece in grp.pieces():
+                news[i] = piece(cast)
+        realize(*news, *(m for _, m in out if m is not None),  # type: ignore[misc]
+                *(v for st, _ in out for v in st.values()))
+        self._flat, self._per = out, None
+        for p, w in zip(self.params, news):
             p.assign(w)
+
+    def _flatten(self) -> list[tuple[State, Tensor | None]]:
+        """The per-parameter state and masters (fresh or loaded) as flat group tensors."""
+        state, master = self._views()
+        out: list[tuple[State, Tensor | None]] = []
+        for grp in self._groups:
+            keys = sorted({k for i in grp.index for k in state[i]})
+            st = {}
+            for k in keys:
+                parts = []
+                for i in grp.index:
+                    v = state[i].get(k)
+                    p = self.params[i]
+                    parts.append(v if v is not None else
+                                 zeros(p.shape, device=p.device, dtype=grp.master))
+                st[k] = grp.concat(parts)
+            ms = [master[i] for i in grp.index]
+            m = None if any(x is None for x in ms) else grp.concat(ms)  # type: ignore[arg-type]
+            out.append((st, m))
+        return out
 
     # ---- state -----------------------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimiser state on this rank: the state tensors and master weights."""
         held = [m for m in self.master if m is not None] + \
             [v for st in self.state for v in st.values()]
-        return sum(t.size * t.dtype.itemsize for t in held)
+        return sum(t.size * t.dtype.itemsize for t in held)  # the views cover the flat
 
     def state_dict(self) -> dict[str, Any]:
         """``steps``, and per parameter (by index) its state arrays and master weights."""
@@ -204,13 +324,16 @@ class Optimizer:
         """Fill the state from ``read`` (see ``Reader``): parameter ``i`` gets the states
         ``names[i]``; a ``MASTER`` is kept only for a 16-bit parameter (else the parameter
         itself is the master)."""
+        state: list[State] = []
+        masters: list[Tensor | None] = []
         for i, p in enumerate(self.params):
             dt, n = master_dtype(p.dtype), math.prod(p.shape)
             got = {k: tensor(np.ascontiguousarray(read(i, k, 0, n)).reshape(p.shape),
                              device=p.device, dtype=dt)
                    for k in names[i] if k != MASTER or dt != p.dtype}
-            self.master[i] = got.pop(MASTER, None)
-            self.state[i] = got
+            masters.append(got.pop(MASTER, None))
+            state.append(got)
+        self._per, self._flat = (state, masters), None
         self.steps = int(steps)
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
@@ -235,12 +358,15 @@ class Optimizer:
                              "state_dict saved by an optimiser over parameters of these "
                              "shapes and dtypes")
         dev = self.params[0].device
+        states: list[State] = []
+        masters: list[Tensor | None] = []
         for i, p in enumerate(self.params):
             dt = master_dtype(p.dtype)
-            self.state[i] = {k: tensor(np.asarray(v), device=p.device, dtype=dt)
-                             for k, v in state[i].items()}
-            self.master[i] = (None if master[i] is None else
-                              tensor(np.asarray(master[i]), device=dev, dtype=dt))
+            states.append({k: tensor(np.asarray(v), device=p.device, dtype=dt)
+                           for k, v in state[i].items()})
+            masters.append(None if master[i] is None else
+                           tensor(np.asarray(master[i]), device=dev, dtype=dt))
+        self._per, self._flat = (states, masters), None
         self.steps = int(d["steps"])
 
 

@@ -11,18 +11,25 @@ collectives mismatch: :meth:`LossScaler.unscale` sums ``0 * g`` over the gradien
 some element is inf or nan) and all-reduces that one number over ``comm``, the group of
 every rank that steps together (the whole mesh: ``mesh.comm_group``), so a non-finite
 gradient on one rank skips the step on all.
+
+The scale, the count of good steps and of skips are 0-d tensors, and ``finite`` is a 0-d
+bool tensor: :meth:`LossScaler.update` adapts them with ``where`` and an optimiser skips
+with ``step(grads, apply=finite)``, so a scaled step never reads the host and compiles
+(``fs.compile``). ``if finite:`` still works in a plain loop (it reads the value).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from fuelspmd.comm import Communicator
 from fuelspmd.dtypes import float32
 from fuelspmd.errors import ConfigError
-from fuelspmd.tensor import Tensor, zeros
+from fuelspmd.optim.clip import scale_by
+from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
 
 __all__ = ["LossScaler"]
 
@@ -33,8 +40,7 @@ class LossScaler:
 
         grads = fs.grad(scaler.scale(loss), params)
         grads, finite = scaler.unscale(grads, comm=mesh.comm_group)
-        if finite:
-            opt.step(grads)
+        opt.step(grads, apply=finite)   # or: if finite: opt.step(grads)
         scaler.update(finite)
     """
 
@@ -44,19 +50,54 @@ class LossScaler:
             raise ConfigError(f"LossScaler: need scale > 0, growth > 1, 0 < backoff < 1, "
                               f"interval >= 1; got scale={scale}, growth={growth}, "
                               f"backoff={backoff}, interval={interval}")
-        self.value = float(scale)
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
-        self.good = 0  # finite steps since the scale last changed
-        self.skipped = 0
+        # (scale, finite steps since the scale last changed, skipped steps): numbers until
+        # the first scale() places them on its loss's device as float64 0-d tensors
+        self._start: tuple[float, int, int] = (float(scale), 0, 0)
+        self._state: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def _tensors(self, device: Any) -> tuple[Tensor, Tensor, Tensor]:
+        if self._state is None or self._state[0].device != device:
+            self._state = tuple(tensor(np.float64(v), device=device)  # type: ignore[assignment]
+                                for v in self._numbers())
+        assert self._state is not None
+        return self._state
+
+    def _numbers(self) -> tuple[float, int, int]:
+        if self._state is None:
+            return self._start
+        s, g, k = (float(t) for t in self._state)
+        return s, int(g), int(k)
+
+    @property
+    def factor(self) -> Tensor:
+        """The scale as a float64 0-d tensor (lazy; made by the first :meth:`scale`)."""
+        if self._state is None:
+            raise ConfigError("LossScaler.factor: call scale(loss) first, which places the "
+                              "scale on the loss's device")
+        return self._state[0]
+
+    @property
+    def value(self) -> float:
+        """The scale, read to the host."""
+        return self._numbers()[0]
+
+    @property
+    def good(self) -> int:
+        return self._numbers()[1]
+
+    @property
+    def skipped(self) -> int:
+        return self._numbers()[2]
 
     def scale(self, loss: Tensor) -> Tensor:
         """``loss * scale`` (differentiate this one)."""
-        return loss * self.value
+        return loss * self._tensors(loss.device)[0].astype(loss.dtype)
 
     def unscale(self, grads: Sequence[Tensor], *, comm: Communicator | None = None
-                ) -> tuple[list[Tensor], bool]:
+                ) -> tuple[list[Tensor], Tensor]:
         """The gradients divided by the scale, and whether every element of every rank's
-        gradients is finite (agreed over ``comm``; collective over it)."""
+        gradients is finite (a 0-d bool tensor, agreed over ``comm``; collective over it)."""
         if not grads:
             raise ConfigError("LossScaler.unscale: no gradients given; pass the list "
                               "fs.grad(scaled_loss, params) returned")
@@ -66,25 +107,28 @@ class LossScaler:
             probe = probe + (g.astype(float32) * 0.0).sum()
         if comm is not None and comm.size > 1:
             probe = comm.all_reduce(probe)
-        finite = math.isfinite(float(probe.numpy()[0]))
-        inv = 1.0 / self.value
-        return [g * inv for g in grads], finite
+        finite = probe[0] == 0.0  # nan compares unequal
+        return scale_by(grads, 1.0 / self._tensors(device)[0]), finite
 
-    def update(self, finite: bool) -> None:
+    def update(self, finite: Tensor | bool) -> None:
         """Adapt the scale after a step: back off and count a skip when not ``finite``,
-        grow after ``interval`` finite steps in a row."""
-        if not finite:
-            self.value *= self.backoff
-            self.good = 0
-            self.skipped += 1
-            return
-        self.good += 1
-        if self.good == self.interval:
-            self.value *= self.growth
-            self.good = 0
+        grow after ``interval`` finite steps in a row (lazily, with ``where``)."""
+        if not isinstance(finite, Tensor):
+            dev = self._state[0].device if self._state is not None else None
+            finite = tensor(bool(finite), device=dev)
+        scale, good, skipped = self._tensors(finite.device)
+        good1 = good + 1.0
+        grow = good1 >= float(self.interval)
+        self._state = (
+            where(finite, where(grow, scale * self.growth, scale), scale * self.backoff),
+            where(finite, where(grow, good * 0.0, good1), good * 0.0),
+            where(finite, skipped, skipped + 1.0))
+        realize(*self._state)  # the next step reads values, not this step's graph
 
     def state_dict(self) -> dict[str, float | int]:
-        return {"scale": self.value, "good": self.good, "skipped": self.skipped}
+        s, g, k = self._numbers()
+        return {"scale": s, "good": g, "skipped": k}
 
     def load_state_dict(self, d: dict[str, float | int]) -> None:
-        self.value, self.good, self.skipped = float(d["scale"]), int(d["good"]), int(d["skipped"])
+        self._start = (float(d["scale"]), int(d["good"]), int(d["skipped"]))
+        self._state = None

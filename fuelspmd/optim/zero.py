@@ -42,6 +42,7 @@ from fuelspmd.optim.optimizer import (
     Optimizer,
     Reader,
     State,
+    applied,
     check_grads,
     master_dtype,
     per_dtype,
@@ -185,9 +186,12 @@ class ZeRO1:
                              "chunk by chunk")
 
     def step(self, grads: Sequence[Tensor], *, reduced: bool = False,
-             max_norm: float | None = None, mesh: Mesh | None = None) -> float | None:
+             max_norm: float | None = None, mesh: Mesh | None = None,
+             apply: Tensor | None = None) -> Tensor | None:
         """Reduce-scatter (unless ``reduced``: ``grads`` are :meth:`reduce`'s slices, chunk
-        by chunk), clip, update the owned slices, all-gather; see the module docs."""
+        by chunk), clip, update the owned slices, all-gather; see the module docs. Returns
+        the global norm before clipping (a float64 0-d tensor) when ``max_norm`` is given.
+        ``apply``: as :meth:`Optimizer.step`'s (false: nothing changes)."""
         if max_norm is not None and not max_norm > 0:
             raise ConfigError(f"ZeRO1.step: max_norm={max_norm!r} must be > 0 (or None)")
         dp, params = self.dp, self.params
@@ -200,7 +204,7 @@ class ZeRO1:
             gs = [g for j, (a, z) in enumerate(zip(self.starts, ends))
                   for g in self.reduce(j, grads[a:z])]
         opt = self.inner
-        coefs = per_dtype(opt.next_coefficients(params[0].device))
+        coefs = per_dtype(opt.next_coefficients(params[0].device, apply))
         for k, b in enumerate(self.buckets):
             if self.shards[k] is None:
                 whole = self._flat(b, [Tensor(params[i].node).astype(master_dtype(b.dtype))
@@ -220,8 +224,11 @@ class ZeRO1:
         for k, (b, g) in enumerate(zip(self.buckets, gs)):
             w = self.shards[k]
             assert w is not None
-            w, self.state[k] = opt.update(w, g, self.state[k] or opt.init_state(w),
-                                          coef=coefs(w.dtype))
+            st0 = self.state[k] or opt.init_state(w)
+            w1, st = opt.update(w, g, st0, coef=coefs(w.dtype))
+            if apply is not None:
+                w1, st = applied(apply, w1, st, w, st0)
+            w, self.state[k] = w1, st
             # a 16-bit bucket keeps its float32 slice; any other is its parameters' own
             # values after the all-gather, cut again at the next step (no second copy)
             self.shards[k] = w if w.dtype != b.dtype else None
@@ -231,6 +238,7 @@ class ZeRO1:
                 for b, full in zip(self.buckets, outs)
                 for i, off, n in zip(b.index, b.offsets, b.sizes)]
         realize(*(v for _, v in news), *(m for m in self.shards if m is not None),
+                *(() if norm is None else (norm,)),
                 *(v for st in self.state for v in st.values()))
         for i, v in news:
             params[i].assign(v)

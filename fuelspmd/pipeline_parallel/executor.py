@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.comm import Communicator
-from fuelspmd.dtypes import DType, Shape
+from fuelspmd.dtypes import DType, Shape, float64
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.graph import default_executor
@@ -287,17 +287,20 @@ class PipelineExecutor:
             out[(msg.what, msg.vstage, msg.microbatch)] = t
         return out
 
-    def _share_loss(self, run: StepRun) -> float:
-        """The mean loss of the step, from the last stage to every rank (and over dp)."""
+    def _share_loss(self, run: StepRun) -> Tensor:
+        """The mean loss of the step, from the last stage to every rank (and over dp): a
+        float64 0-d tensor, realised (never read to the host here, so a step compiles)."""
         s = self.schedule
-        total = np.zeros(1, np.float64)
+        dev = self._p2p.device
+        total = zeros((1,), device=dev, dtype=float64)
+        for t in run.losses:
+            total = total + t.astype(float64).reshape(1)
         if run.losses:
-            total[0] = sum(float(t.item()) for t in run.losses) / s.microbatches
-        shared = self._p2p.broadcast(tensor(total, device=self._p2p.device),
-                                     s.rank_of(s.virtual_stages - 1))
+            total = total / s.microbatches
+        shared = self._p2p.broadcast(total, s.rank_of(s.virtual_stages - 1))
         if self._dp is not None:
             shared = self._dp.all_reduce(shared, "avg")
-        return float(shared.numpy()[0])
+        return shared.reshape(()).realize()
 
     def _batch(self, name: str, items: Sequence[Any] | None) -> list[Tensor]:
         m = self.schedule.microbatches

@@ -32,7 +32,8 @@ ReduceFn = Callable[[int, list[Tensor]], list[Tensor]]  # (chunk, its gradients)
 class StepResult:
     """What one :meth:`PipelineExecutor.step` gives every rank of the pipeline.
 
-    ``loss``: the mean over micro-batches of ``loss(y_i, target_i)`` (and over ``dp``).
+    ``loss``: the mean over micro-batches of ``loss(y_i, target_i)`` (and over ``dp``), a
+    realised float64 0-d tensor (``float(res.loss)``), the same on every rank.
     ``grads[j][k]``: d loss / d ``params[j][k]`` of this rank's chunk ``j``, realised (or,
     with the executor's ``reduce``, what it gave for chunk ``j``).
     ``times[a]``: (start, end) of action ``a``'s compute, seconds after the step's barrier.
@@ -46,7 +47,7 @@ class StepResult:
     bucket is one call), seconds after the step's barrier (empty without ``dp``).
     """
 
-    loss: float
+    loss: Tensor | None
     grads: list[list[Tensor]]
     times: dict[Action, tuple[float, float]] = field(default_factory=dict)
     peak_saved_bytes: int = 0
@@ -135,7 +136,8 @@ class StepRun:
             realize(out)
         else:
             forward = _unrealised([out.node])
-            effectful = [n for n in forward.values() if n.op.effectful]
+            # a collective (an op the transport starts); a host value is no collective
+            effectful = [n for n in forward.values() if n.op.start is not None]
             if effectful:
                 raise ConfigError(
                     f"PipelineExecutor: virtual stage {v} has a collective "
@@ -231,7 +233,7 @@ class StepRun:
             for (chunk, first), end in zip(self.reduced, ends):
                 for b, (issued, done) in enumerate(self.dp.times[first:end]):
                     reduces.append((chunk, b, issued - t0, done - t0))
-        return StepResult(math.nan, grads, {}, self.peak, reduces, self.peak_run)
+        return StepResult(None, grads, {}, self.peak, reduces, self.peak_run)
 
 
 def _empty_like(y: Tensor) -> Any:

@@ -223,3 +223,39 @@ def test_models_gpt2_over_tp_compiled_equals_uncompiled() -> None:
     got, want = group.run(program, [True] * 2), group.run(program, [False] * 2)
     assert [g[0] for g in got] == [w[0] for w in want]
     assert all(g[1] >= 5 for g in got)
+
+
+def test_a_float16_step_skipped_by_the_loss_scaler_replays_as_uncompiled() -> None:
+    """Clip, loss scaling and a skipped step decided in the graph: compiled (replaying
+    through the overflow at step 5) and uncompiled give the same parameters, scales and
+    skip counts, bit for bit."""
+    def run(compiled: bool) -> tuple[list[tuple[float, bool, float]], np.ndarray, int]:
+        p = nn.Parameter(fs.tensor(np.linspace(0.5, 1.5, 6).astype(np.float16)))
+        opt = optim.AdamW([p], lr=0.05)
+        scaler = optim.LossScaler(2.0 ** 10, interval=2)
+
+        def step(x: fs.Tensor, big: fs.Tensor) -> tuple[fs.Tensor, fs.Tensor]:
+            w = p.astype(fs.float32)
+            loss = (w * w * x * big).sum()
+            grads, finite = scaler.unscale(fs.grad(scaler.scale(loss), [p]))
+            grads, norm = optim.clip_grad_norm([p], grads, 1.0)
+            opt.step(grads, apply=finite)
+            scaler.update(finite)
+            return norm, finite
+
+        fn = fs.compile(step) if compiled else step
+        seen = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for k in range(8):
+                x = fs.tensor((np.arange(6, dtype=np.float32) + k) / 100)
+                big = fs.tensor(np.float32(1e4 if k == 5 else 1.0))  # 1e4 * 2^10 overflows
+                norm, finite = fn(x, big)
+                seen.append((scaler.value, bool(finite), float(norm)))
+        return seen, p.numpy(), fn.replays if compiled else 0
+
+    got, gp, replays = run(True)
+    want, wp, _ = run(False)
+    assert replays >= 4
+    assert got == want and [f for _, f, _ in got].count(False) == 1
+    assert [s for s, _, _ in got][4:7] == [2.0 ** 12, 2.0 ** 11, 2.0 ** 11]  # backed off once
+    np.testing.assert_array_equal(gp, wp)

@@ -177,7 +177,7 @@ def test_clip_grad_norm_is_torchs_on_one_process() -> None:
         for t, a in zip(ts, arrays):
             t.grad = torch.from_numpy(a.copy())
         want = torch.nn.utils.clip_grad_norm_(ts, max_norm)
-        assert norm == pytest.approx(float(want), rel=1e-14)
+        assert float(norm) == pytest.approx(float(want), rel=1e-14)
         for g, t in zip(grads, ts):
             np.testing.assert_allclose(g.numpy(), t.grad.numpy(), rtol=1e-14)
 
@@ -241,7 +241,8 @@ def _zero_run(comm: fs.Communicator, bucket_bytes: int, steps: int = STEPS,
     norms = []
     for step in range(steps):
         grads = fs.grad(_loss_fs(params, step, comm.rank, comm.device), params)
-        norms.append(opt.step(grads, max_norm=max_norm))
+        norm = opt.step(grads, max_norm=max_norm)
+        norms.append(None if norm is None else float(norm))
     return [p.numpy() for p in params], opt.state_bytes(), norms
 
 
@@ -256,7 +257,7 @@ def _unsharded(dp: int, steps: int = STEPS, max_norm: float | None = None
         grads = [sum(gs[1:], gs[0]) * (1.0 / dp) for gs in zip(*per)]
         if max_norm is not None:
             grads, norm = optim.clip_grad_norm(params, grads, max_norm)
-            norms.append(norm)
+            norms.append(float(norm))
         opt.step(grads)
     return [p.numpy() for p in params], norms
 
@@ -444,9 +445,9 @@ def test_zero1_clips_a_tp_sharded_model_whose_dp_slices_hold_different_kinds() -
                     for a, b in zip(grads(plain, step, 0), grads(plain, step, 1))]
             clipped, norm = optim.clip_grad_norm(plain, mean, 1.0, mesh=mesh)
             opt_a.step(clipped)
-            norms_a.append(norm)
+            norms_a.append(float(norm))
             own = [fs.tensor(g, device=comm.device) for g in grads(sharded, step, r)]
-            norms_b.append(opt_b.step(own, max_norm=1.0, mesh=mesh))
+            norms_b.append(float(opt_b.step(own, max_norm=1.0, mesh=mesh)))
         return norms_a, norms_b, [p.numpy() for p in plain], [p.numpy() for p in sharded]
 
     for norms_a, norms_b, a, b in DeviceGroup.cpu(4, timeout=30).run(body):

@@ -237,7 +237,7 @@ def test_a_collective_in_a_stage_needs_recompute() -> None:
         ex = PipelineExecutor(schedule("1f1b", 1, 2), comm=mesh.comm("pp"), stages=[stage],
                               loss=P.mse, recompute=recompute)
         out = ex.step([x, 2 * x], [t, t])
-        return out.loss, out.grads[0][0].numpy()
+        return float(out.loss), out.grads[0][0].numpy()
 
     group = DeviceGroup.cpu(2, timeout=TIMEOUT)
     with pytest.raises(ConfigError, match=r"collective .*recompute=True"):
@@ -284,7 +284,7 @@ def test_tags_past_the_transport_bound_fold_and_still_meet_in_order() -> None:
         ex = PipelineExecutor(sched, comm=comm, stages=[_Linear(w, comm.device)],
                               loss=lambda y, t: (y * t).sum())
         out = ex.step(xs if comm.rank == 0 else None, xs if comm.rank == 1 else None)
-        return out.loss, out.grads[0][0].numpy()
+        return float(out.loss), out.grads[0][0].numpy()
 
     # y_i = 4 x_i (two stages of x @ 2), loss = mean_i y_i x_i = 4 mean x_i^2;
     # d/dw of each stage = 2 mean x_i^2 (the other stage's factor 2 times x_i^2)

@@ -224,13 +224,13 @@ def test_check_rejects_a_wrong_gradient() -> None:
                           loss=st.loss)
     xs, ys = T.microbatches(0, 0, 0, args.microbatches, args.batch, cfg)
     res = ex.step(xs, ys)
-    good = T.check(mesh, [st], [0], res.grads[0], res.loss, cfg, args)
+    good = T.check(mesh, [st], [0], res.grads[0], float(res.loss), cfg, args)
     assert good["ok"], good["line"]
     names = [n for n, _ in st.named_parameters()]
     bad_grads = list(res.grads[0])
     k = names.index("blocks.0.attn.q.weight")
     bad_grads[k] = bad_grads[k] * 1.01
-    bad = T.check(mesh, [st], [0], bad_grads, res.loss, cfg, args)
+    bad = T.check(mesh, [st], [0], bad_grads, float(res.loss), cfg, args)
     assert not bad["ok"] and "FAILED" in bad["line"], bad["line"]
     assert 5e-3 < bad["worst"] < 2e-2
 
@@ -256,3 +256,25 @@ def test_layers_that_do_not_split_into_stages_are_a_config_error() -> None:
         T.stage_layers(T.Config(layers=3), 2)
     with pytest.raises(ConfigError, match="make the product 4"):
         T.plan(4, argparse.Namespace(tp=2, pp=1, dp=1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [["--dropout", "0.1"], ["--tp", "2", "--dtype", "float16"],
+                                   ["--dp", "2", "--zero", "--dropout", "0.1"]])
+def test_compiled_steps_give_the_uncompiled_losses_bit_for_bit(extra: list[str]) -> None:
+    """The default (the step under fs.compile, replayed after its traces) and --no-compile
+    give the same losses and norms, exactly: dropout masks, the clip coefficient, the
+    float16 loss scale and its skip decision, ZeRO-1 over dp 2 and tp 2 (DeviceGroups)."""
+    n = 2 if "--tp" in extra or "--dp" in extra else 1
+    base = ["--steps", "7", "--layers", "2", "--microbatches", "2", "--batch", "4",
+            "--pp", "1", *extra]
+    if "--tp" not in extra:
+        base += ["--tp", "1"]
+    outs = [fs.DeviceGroup.cpu(n, timeout=60).run(T.train, [T.parse(base + flags)] * n)
+            for flags in ([], ["--no-compile"])]
+    (compiled, *_), (plain, *_) = outs
+    assert compiled["replays"] >= 4 and plain["replays"] == 0, compiled["replays"]
+    assert compiled["losses"] == plain["losses"], (compiled["losses"], plain["losses"])
+    assert compiled["norms"] == plain["norms"]
+    assert compiled["skipped"] == plain["skipped"]
+    assert compiled["losses"][-1] < compiled["losses"][0]

@@ -67,7 +67,7 @@ def test_pool_order_divergence_is_reported(world: fs.World) -> None:
     m.allocate("b", 8)
     for s in (("a", "b") if comm.rank == 0 else ("b", "a")):
         m.free(s)
-    with pytest.raises(CacheDivergenceError, match="queue order differs"):
+    with pytest.raises(CacheDivergenceError, match="an order differs: the pool"):
         coord.check()
     comm.barrier()
 
@@ -85,3 +85,51 @@ def test_leader_mode_gives_every_rank_rank_0s_decisions(world: fs.World) -> None
     ref.allocate("r0", 5)
     ref.evict(1)
     assert m.block_tables() == ref.block_tables() and m.digest() == ref.digest()
+
+
+def _three_by_age(m: KVCacheManager | KVCacheCoordinator, order: tuple[str, ...]) -> None:
+    for s in order:
+        m.allocate(s, 4)  # one block each: 3 of 4 held, 1 free
+
+
+def test_make_room_preempts_the_same_youngest_everywhere(world: fs.World) -> None:
+    m = KVCacheManager(4, BS)
+    coord = KVCacheCoordinator(m, comm=world.comm, every=1000)
+    _three_by_age(coord, ("a", "b", "c"))
+    assert coord.make_room("a", 8) == ["c"]   # 3 blocks for a: the youngest goes
+    assert coord.checks == 1                   # the decision was checked at once
+    coord.append("a", 8)
+    assert coord.make_room("b", 1) == ["b"]   # b is the youngest left: it preempts itself
+    assert m.preempted() == ["b", "c"] and coord.checks == 2
+    assert coord.make_room("a", 4) == [] and coord.checks == 2  # fits: no collective
+
+
+def test_ranks_that_would_preempt_different_sequences_are_stopped(world: fs.World) -> None:
+    comm = world.comm
+    if comm.size == 1:
+        pytest.skip("one rank cannot diverge")
+    m = KVCacheManager(4, BS)
+    coord = KVCacheCoordinator(m, comm=comm, every=1000)
+    # the last rank admitted b and c in the other order: its youngest is b
+    _three_by_age(m, ("a", "c", "b") if comm.rank == comm.size - 1 else ("a", "b", "c"))
+    with pytest.raises(CacheDivergenceError) as info:
+        coord.make_room("a", 8)
+    assert f"ranks [{comm.size - 1}] disagree with rank 0 of {comm.size}" in str(info.value)
+    comm.barrier()
+
+
+def test_leader_mode_replays_rank_0s_preemption_calls(world: fs.World) -> None:
+    comm = world.comm
+    m = KVCacheManager(4, BS)
+    coord = KVCacheCoordinator(m, comm=comm, every=1, mode="leader")
+    _three_by_age(coord, ("a", "b", "c"))
+    # each rank asks for its own amount; rank 0's (8 tokens: one preemption) is made
+    assert coord.make_room("a", 8 + 4 * comm.rank) == ["c"]
+    coord.preempt("b" if comm.rank == 0 else "a")
+    assert coord.resume("c" if comm.rank == 0 else "b", [1, 2]) == 0
+    ref = KVCacheManager(4, BS)
+    _three_by_age(ref, ("a", "b", "c"))
+    ref.make_room("a", 8)
+    ref.preempt("b")
+    ref.resume("c", [1, 2])
+    assert m.digest() == ref.digest() and m.running() == ["a", "c"]

@@ -19,10 +19,11 @@ does not fit makes the manager preempt the youngest (:meth:`KVCacheManager.make_
 those are younger than it, so none has appended in this step. A preempted sequence resumes
 with its prompt and generated tokens, and the part the cache no longer serves is
 recomputed in one prefill whose logits give its next token, so the tokens are the ones an
-unpreempted run gives. A finished sequence is freed at once. Admitted sequences are
-computed before any decode step, so no block named at allocation is read before it is
-written: a later sequence that hits an earlier one's blocks is in the same prefill step or
-a later one, and a step writes its keys and values before attention reads any.
+unpreempted run gives. A finished sequence is freed at once. A sequence is allocated at
+most one prefill step before its own, and every admitted one is computed before any decode
+step, so no block named at allocation is read before it is written: a later
+sequence that hits an earlier one's blocks is in the same prefill step or a later one, and
+a step writes its keys and values before attention reads any.
 
 The model is anything with ``comm`` (its TP communicator), ``kv_layout()`` (layers, key/
 value heads this rank stores, head_dim, dtype) and ``step(tokens, *, starts, tables,
@@ -57,8 +58,13 @@ class PagedModel(Protocol):
 
 @dataclass
 class Generation:
-    """The tokens of every sequence and what the cache did to produce them
-    (``recomputed_tokens``: prefill tokens computed again after preemptions)."""
+    """The tokens of every sequence and what the cache did to produce them.
+
+    ``recomputed_tokens``: prefill tokens computed again after preemptions. Per prompt, in
+    order: ``first_token_s``, the time from the start to its first token (``ttft_s`` is
+    their mean), and ``first_token_work``, the tokens every step had computed by then (what
+    that time would be in proportion to, were a step's cost its token count).
+    """
 
     tokens: list[list[int]]
     hit_rate: float
@@ -70,6 +76,8 @@ class Generation:
     tokens_per_s: float
     preemptions: int
     recomputed_tokens: int
+    first_token_s: list[float]
+    first_token_work: list[int]
 
 
 def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
@@ -103,13 +111,15 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
                          device=comm.device, dtype=dtype)
     total = len(prompts) * k
     out: list[list[int]] = [[] for _ in range(total)]
-    computed = recomputed = peak = 0
+    computed = recomputed = peak = work = 0
     ttft: list[float] = []
+    ttft_work: list[int] = []
     new_prompts = list(range(len(prompts)))[::-1]  # popped from the end: prompt 0 first
     t0 = time.perf_counter()
 
     def run(seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[int]:
-        nonlocal peak
+        nonlocal peak, work
+        work += sum(map(len, tokens))
         logits = model.step(np.asarray(tokens), starts=starts,
                             tables=[manager.block_table(q) for q in seqs], store=store)
         realize(logits, *store.tensors())
@@ -121,39 +131,50 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
         if len(out[q]) == new_tokens:
             coord.free(q)
 
+    def admit() -> tuple[int, list[int], int, bool]:
+        """Allocate (or resume) the next waiting sequence: (seq, uncached tokens, start,
+        whether it is a new prompt); CacheCapacityError, changing nothing, if it does not fit."""
+        nonlocal computed, recomputed
+        if manager.preempted():
+            q = manager.preempted()[0]
+            full = prompts[q // k] + out[q]
+            hit = coord.resume(q, out[q][-1:])
+            recomputed += len(full) - hit
+        else:
+            q = new_prompts[-1] * k
+            full = prompts[q // k]
+            hit = coord.allocate(q, full)
+            new_prompts.pop()
+            computed += len(full) - hit
+        return q, full[hit:], hit, not out[q]
+
+    def prefill(batch: list[tuple[int, list[int], int, bool]]) -> None:
+        firsts = run([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
+        for (q, _, _, fresh), tok in zip(batch, firsts):
+            if fresh:
+                ttft.append(time.perf_counter() - t0)
+                ttft_work.append(work)
+                for s in range(1, k):
+                    coord.fork(q, q + s)
+                    finish(q + s, tok)
+            finish(q, tok)
+
     while manager.running() or manager.preempted() or new_prompts:
-        todo: list[tuple[int, list[int], int, bool]] = []  # seq, tokens, start, new prompt
-        try:  # admission, first come first served, until one does not fit
-            while manager.preempted() or new_prompts:
-                if manager.preempted():
-                    q = manager.preempted()[0]
-                    full = prompts[q // k] + out[q]
-                    hit = coord.resume(q, out[q][-1:])
-                    recomputed += len(full) - hit
-                else:
-                    q = new_prompts[-1] * k
-                    full = prompts[q // k]
-                    hit = coord.allocate(q, full)
-                    new_prompts.pop()
-                    computed += len(full) - hit
-                todo.append((q, full[hit:], hit, not out[q]))
-        except CacheCapacityError:
-            pass
-        admitted = bool(todo)
-        while todo:  # prefill: equal uncached lengths batched up to max_batch_tokens
-            t = len(todo[0][1])
-            n = 1
-            while n < len(todo) and len(todo[n][1]) == t and (n + 1) * t <= max_batch_tokens:
-                n += 1
-            batch, todo = todo[:n], todo[n:]
-            firsts = run([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
-            for (q, _, _, fresh), tok in zip(batch, firsts):
-                if fresh:
-                    ttft.append(time.perf_counter() - t0)
-                    for s in range(1, k):
-                        coord.fork(q, q + s)
-                        finish(q + s, tok)
-                finish(q, tok)
+        batch: list[tuple[int, list[int], int, bool]] = []
+        admitted = False
+        while manager.preempted() or new_prompts:  # first come first served, while they fit
+            try:
+                item = admit()
+            except CacheCapacityError:
+                break
+            admitted = True
+            t = len(batch[0][1]) if batch else 0
+            if batch and (len(item[1]) != t or (len(batch) + 1) * t > max_batch_tokens):
+                prefill(batch)  # the new one is allocated and goes first in the next step
+                batch = []
+            batch.append(item)
+        if batch:
+            prefill(batch)
         seqs: list[int] = []
         for q in manager.running():  # decode: oldest first, so preemption takes the unstepped
             if q not in manager:  # preempted for an older one, with all younger than it
@@ -183,4 +204,5 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
     return Generation(tokens=out, hit_rate=stats.hit_rate, prefill_tokens_computed=computed,
                       blocks_used=peak, blocks_total=stats.num_blocks, copies=stats.copies,
                       ttft_s=float(np.mean(ttft)), tokens_per_s=total * new_tokens / elapsed,
-                      preemptions=stats.preemptions, recomputed_tokens=recomputed)
+                      preemptions=stats.preemptions, recomputed_tokens=recomputed,
+                      first_token_s=ttft, first_token_work=ttft_work)

@@ -60,7 +60,8 @@ class PagedModel(Protocol):
 class Generation:
     """The tokens of every sequence and what the cache did to produce them.
 
-    ``recomputed_tokens``: prefill tokens computed again after preemptions. Per prompt, in
+    ``recomputed_tokens``: tokens computed again after preemptions (each resumption's
+    prefill also computes the token its sequence was about to decode). Per prompt, in
     order: ``first_token_s``, the time from the start to its first token (``ttft_s`` is
     their mean), and ``first_token_work``, the tokens every step had computed by then (what
     that time would be in proportion to, were a step's cost its token count).
@@ -86,7 +87,8 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
            num_blocks: int | None = None, max_batch_tokens: int = 512) -> Generation:
     """Prefill every prompt (prefix-cached), fork its samples, then decode ``new_tokens``
     greedily, preempting and recomputing when ``num_blocks`` (default: what every sequence
-    needs at once) runs short; see the module docstring. Collective over ``model.comm``."""
+    needs at once) runs short; a prefill step takes at most ``max_batch_tokens`` tokens
+    (and at least one sequence). See the module docstring. Collective over ``model.comm``."""
     if new_tokens < 1 or samples < 1 or not prompts or min(map(len, prompts)) < 1:
         raise ConfigError(f"greedy: new_tokens={new_tokens}, samples={samples} and "
                           f"{len(prompts)} prompts: give at least one of each, and no "
@@ -139,7 +141,7 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
             q = manager.preempted()[0]
             full = prompts[q // k] + out[q]
             hit = coord.resume(q, out[q][-1:])
-            recomputed += len(full) - hit
+            recomputed += len(full) - 1 - hit  # the last was never computed: it is new
         else:
             q = new_prompts[-1] * k
             full = prompts[q // k]

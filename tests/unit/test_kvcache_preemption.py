@@ -47,6 +47,10 @@ def test_preempted_and_recomputed_tokens_equal_transformers(refs: dict, name: st
     assert out.blocks_used <= SMALL and out.hit_rate > 0
     roomy = models.greedy(model, H.prompts(), NEW, block_size=BS, samples=samples)
     assert roomy.tokens == out.tokens and roomy.preemptions == roomy.recomputed_tokens == 0
+    uncached = models.greedy(model, H.prompts(), NEW, block_size=BS, samples=samples,
+                             num_blocks=SMALL, prefix_caching=False)
+    assert uncached.tokens == out.tokens and uncached.preemptions > 0
+    assert uncached.recomputed_tokens > out.recomputed_tokens  # no block of its own served
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -21,6 +21,16 @@ def world() -> fs.World:
     return fs.init(timeout=20.0)
 
 
+def _two_or_more(world: fs.World, blocks: int, *, every: int
+                 ) -> tuple[fs.Communicator, KVCacheManager, KVCacheCoordinator]:
+    """The world's comm and a checked manager of ``blocks`` blocks; skip at one rank (one
+    rank cannot diverge)."""
+    if world.comm.size == 1:
+        pytest.skip("one rank cannot diverge")
+    m = KVCacheManager(blocks, BS)
+    return world.comm, m, KVCacheCoordinator(m, comm=world.comm, every=every)
+
+
 def _ops(m: KVCacheManager | KVCacheCoordinator, salt: int) -> None:
     m.allocate(0, list(range(10)))
     m.allocate("req-1", [*list(range(8)), salt, 99])
@@ -40,11 +50,7 @@ def test_same_calls_agree_at_every_check(world: fs.World) -> None:
 
 
 def test_divergence_raises_on_every_rank_naming_ranks_and_sequence(world: fs.World) -> None:
-    comm = world.comm
-    if comm.size == 1:
-        pytest.skip("one rank cannot diverge")
-    m = KVCacheManager(32, BS)
-    coord = KVCacheCoordinator(m, comm=comm, every=1)
+    comm, m, coord = _two_or_more(world, 32, every=1)
     _ops(m, salt=0)
     # the last rank appends one token more to "req-1" than the others
     m.append("req-1", [1, 2, 3] if comm.rank == comm.size - 1 else [1, 2])
@@ -57,11 +63,7 @@ def test_divergence_raises_on_every_rank_naming_ranks_and_sequence(world: fs.Wor
 
 
 def test_pool_order_divergence_is_reported(world: fs.World) -> None:
-    comm = world.comm
-    if comm.size == 1:
-        pytest.skip("one rank cannot diverge")
-    m = KVCacheManager(32, BS)
-    coord = KVCacheCoordinator(m, comm=comm, every=1)
+    comm, m, coord = _two_or_more(world, 32, every=1)
     # same tables at the end, but rank 0 freed its two sequences in the other order
     m.allocate("a", 8)
     m.allocate("b", 8)
@@ -105,11 +107,7 @@ def test_make_room_preempts_the_same_youngest_everywhere(world: fs.World) -> Non
 
 
 def test_ranks_that_would_preempt_different_sequences_are_stopped(world: fs.World) -> None:
-    comm = world.comm
-    if comm.size == 1:
-        pytest.skip("one rank cannot diverge")
-    m = KVCacheManager(4, BS)
-    coord = KVCacheCoordinator(m, comm=comm, every=1000)
+    comm, m, coord = _two_or_more(world, 4, every=1000)
     # the last rank admitted b and c in the other order: its youngest is b
     _three_by_age(m, ("a", "c", "b") if comm.rank == comm.size - 1 else ("a", "b", "c"))
     with pytest.raises(CacheDivergenceError) as info:

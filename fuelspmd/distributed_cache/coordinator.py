@@ -9,8 +9,11 @@ same slots, so all of them must hold the same block tables. Two ways to get ther
   :class:`~fuelspmd.comm.Communicator`: one small collective. When the digests differ the
   ranks exchange a per-sequence digest table and raise :class:`CacheDivergenceError` on
   every rank, naming the ranks that disagree with rank 0 and the first sequence that
-  differs (or the pool's queue order, when every table agrees but the order of free
-  blocks does not, which decides the next allocation).
+  differs (or the orders, when every table agrees but the order of free blocks or of the
+  sequences' ages does not, which decides the next allocation or preemption). A
+  :meth:`make_room` that preempted checks at once, so ranks that would preempt different
+  sequences are stopped at that decision (a rank that did not preempt is at another
+  collective, which the communicator's guard reports as a mismatch).
 * ``mode="leader"``: ranks may be fed different inputs (a rank that read its own request
   queue). The ranks all_gather a fixed 8-int64 header of their call (so a rank that made
   another *kind* of call is caught on every rank, as :class:`CacheUsageError`), then rank
@@ -31,15 +34,16 @@ from typing import Any, Literal
 import numpy as np
 
 from fuelspmd.distributed_cache.manager import BlockCopy, KVCacheManager, SeqId
-from fuelspmd.distributed_cache.prefix import ExtraKey, encode_key, encode_tokens
+from fuelspmd.distributed_cache.prefix import ExtraKey
 from fuelspmd.errors import CacheDivergenceError, CacheUsageError, ConfigError
 from fuelspmd.tensor import Tensor, tensor
 from fuelspmd.transport import disagreement
 
 __all__ = ["CacheDivergenceError", "KVCacheCoordinator"]
 
-_ALLOCATE, _APPEND, _FORK, _FREE, _EVICT = 1, 2, 3, 4, 5
-_CALLS = {_ALLOCATE: "allocate", _APPEND: "append", _FORK: "fork", _FREE: "free", _EVICT: "evict"}
+_ALLOCATE, _APPEND, _FORK, _FREE, _EVICT, _PREEMPT, _RESUME, _MAKE_ROOM = range(1, 9)
+_CALLS = {_ALLOCATE: "allocate", _APPEND: "append", _FORK: "fork", _FREE: "free",
+          _EVICT: "evict", _PREEMPT: "preempt", _RESUME: "resume", _MAKE_ROOM: "make_room"}
 _INT, _STR, _NONE, _POOL = 0, 1, 2, 3
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _HEADER = 8  # op, id kind, id value/len, child kind, child value/len, n tokens, is count, 0
@@ -47,14 +51,6 @@ _HEADER = 8  # op, id kind, id value/len, child kind, child value/len, n tokens,
 
 def _digest_ints(hexdigest: str) -> np.ndarray:
     return np.frombuffer(bytes.fromhex(hexdigest), dtype="<i8").astype(np.int64)
-
-
-def _seq_digest(manager: KVCacheManager, seq_id: SeqId) -> np.ndarray:
-    table = manager.block_table(seq_id)
-    parts: list[bytes] = []
-    encode_key(seq_id, parts)
-    parts.append(encode_tokens([manager.num_tokens(seq_id), len(table), *table]))
-    return _digest_ints(hashlib.sha256(b"".join(parts)).hexdigest())
 
 
 def _seq_key(seq_id: SeqId) -> tuple[int, int]:
@@ -108,13 +104,11 @@ class KVCacheCoordinator:
         size = self.comm.size
         odd = [r for r in range(size) if not (digests[r] == digests[0]).all()]
         m = self.manager
-        seqs = sorted(m.block_tables(), key=lambda s: (isinstance(s, str), s))
+        digests = m.sequence_digests()
+        seqs = sorted(digests, key=lambda s: (isinstance(s, str), s))
         names = {_seq_key(s): s for s in seqs}
-        rows = [[*_seq_key(s), *_seq_digest(m, s)] for s in seqs]
-        pool = [m.pool.free_order(), m.pool.evictable_order()]
-        pool_digest = hashlib.sha256(encode_tokens([len(pool[0]), *pool[0], len(pool[1]),
-                                                    *pool[1]])).hexdigest()
-        rows.append([_POOL, 0, *_digest_ints(pool_digest)])
+        rows = [[*_seq_key(s), *_digest_ints(digests[s])] for s in seqs]
+        rows.append([_POOL, 0, *_digest_ints(m.order_digest())])
         counts = self._gather(np.array([[len(rows)]], dtype=np.int64)).reshape(-1)
         width = int(counts.max())
         mine = np.full((width, 6), -1, dtype=np.int64)
@@ -135,8 +129,9 @@ class KVCacheCoordinator:
                                "encode the manager differently")
         holders = [k for k in range(size) if first in per_rank[k]]
         if first[0] == _POOL:
-            what = "every block table agrees but the pool's free/evictable queue order " \
-                   "differs (the next allocation would diverge)"
+            what = "every sequence agrees but an order differs: the pool's free/evictable " \
+                   "queues, the running sequences' ages or the resumption order (the next " \
+                   "allocation or preemption would diverge)"
         else:
             name = names.get(first, f"<str id with hash {first[1]:#x}>" if first[0] == _STR
                              else first[1])
@@ -177,6 +172,29 @@ class KVCacheCoordinator:
         if self.mode == "leader":
             _, seq_id, _, _ = self._agree(_FREE, seq_id, None, 0)
         self.manager.free(seq_id)
+
+    def preempt(self, seq_id: SeqId) -> None:
+        """:meth:`KVCacheManager.preempt`."""
+        if self.mode == "leader":
+            _, seq_id, _, _ = self._agree(_PREEMPT, seq_id, None, 0)
+        self.manager.preempt(seq_id)
+
+    def resume(self, seq_id: SeqId, tokens: Sequence[int] | int = ()) -> int:
+        """:meth:`KVCacheManager.resume`, rank 0's call in leader mode."""
+        if self.mode == "leader":
+            _, seq_id, _, tokens = self._agree(_RESUME, seq_id, None, tokens)
+        return self.manager.resume(seq_id, tokens)
+
+    def make_room(self, seq_id: SeqId, n_tokens: int) -> list[SeqId]:
+        """:meth:`KVCacheManager.make_room`; when it preempted, :meth:`check` at once."""
+        if self.mode == "leader":
+            _, seq_id, _, got = self._agree(_MAKE_ROOM, seq_id, None, int(n_tokens))
+            assert isinstance(got, int)
+            n_tokens = got
+        out = self.manager.make_room(seq_id, n_tokens)
+        if out:
+            self.check()
+        return out
 
     def evict(self, n: int) -> int:
         """:meth:`KVCacheManager.evict`."""

@@ -20,6 +20,17 @@ Sharing rules:
   indexed the moment it becomes full (at :meth:`allocate` for the prompt, at
   :meth:`append` later). Appending a count instead of ids makes the content unknown, and
   no later block of that sequence is named.
+
+Preemption (vLLM's recompute policy). When the pool cannot hold a sequence's next tokens,
+:meth:`make_room` preempts the *youngest* running sequences (the most recently allocated,
+forked or resumed) until they fit: a preempted sequence releases its blocks but keeps its
+token record, and :meth:`resume` later gives it blocks again, its tokens to be recomputed
+except those the prefix cache still serves (its own full blocks, unless evicted since).
+Unheld cached blocks are always taken before anything is preempted, because an allocation
+takes free blocks, then evictable ones, and preemption starts only when both run short.
+Preempting the youngest first means the oldest running sequence always makes progress, so
+a workload whose every sequence fits the pool alone finishes. Resumption order is the
+reverse of preemption order (the last preempted, the oldest of a batch, first).
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ class CacheStats:
     hit_rate: float
     evictions: int
     copies: int
+    preempted: int
+    preemptions: int
 
 
 @dataclass(eq=False, slots=True)
@@ -86,6 +99,11 @@ class _Sequence:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _id_order(seq_id: SeqId) -> tuple[bool, SeqId]:
+    """Sort key for mixed int and str ids: ints first."""
+    return isinstance(seq_id, str), seq_id
 
 
 class KVCacheManager:
@@ -110,14 +128,17 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn: HashFn = sha256_block_hash if hash_fn is None else hash_fn
-        self._seqs: dict[SeqId, _Sequence] = {}
+        self._seqs: dict[SeqId, _Sequence] = {}  # running, oldest first (age order)
+        self._preempted: dict[SeqId, _Sequence] = {}  # no blocks; in preemption order
         self._prompt_tokens = 0
         self._hit_tokens = 0
         self._copies = 0
+        self._preemptions = 0
 
     # ---- queries ------------------------------------------------------------------------
 
     def __contains__(self, seq_id: object) -> bool:
+        """Whether ``seq_id`` is running (holds blocks); a preempted one is not."""
         return seq_id in self._seqs
 
     def __len__(self) -> int:
@@ -131,6 +152,19 @@ class KVCacheManager:
         """
         return _ceil_div(n_tokens, self.block_size) <= self.pool.num_available
 
+    def can_append(self, seq_id: SeqId, n_tokens: int) -> bool:
+        """Whether :meth:`append` of ``n_tokens`` to ``seq_id`` fits without preempting."""
+        grow, cow = self._append_need(self._get(seq_id), self._as_tokens(n_tokens)[1])
+        return grow + cow <= self.pool.num_available
+
+    def running(self) -> list[SeqId]:
+        """Running sequences, oldest first: the last is the next to be preempted."""
+        return list(self._seqs)
+
+    def preempted(self) -> list[SeqId]:
+        """Preempted sequences in the order to resume them (the last preempted first)."""
+        return list(reversed(self._preempted))
+
     def block_table(self, seq_id: SeqId) -> list[BlockId]:
         """The block ids of ``seq_id``, in token order."""
         return [b.block_id for b in self._get(seq_id).blocks]
@@ -140,11 +174,13 @@ class KVCacheManager:
         return {s: [b.block_id for b in q.blocks] for s, q in self._seqs.items()}
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        """How many tokens ``seq_id`` holds."""
-        return self._get(seq_id).num_tokens
+        """How many tokens ``seq_id`` holds (a preempted one: how many it will recompute)."""
+        seq = self._preempted.get(seq_id) if isinstance(seq_id, (int, str)) else None
+        return (seq or self._get(seq_id)).num_tokens
 
     def stats(self) -> CacheStats:
-        """Usage, prefix hit rate (hit prompt tokens / prompt tokens), evictions, copies."""
+        """Usage, prefix hit rate (hit prompt tokens / prompt tokens), evictions, copies,
+        sequences preempted now and preemptions so far."""
         pool = self.pool
         return CacheStats(
             num_blocks=pool.num_blocks,
@@ -159,23 +195,44 @@ class KVCacheManager:
             hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             evictions=pool.evictions,
             copies=self._copies,
+            preempted=len(self._preempted),
+            preemptions=self._preemptions,
         )
 
-    def digest(self) -> str:
-        """SHA-256 (hex) of every block table, token count and the pool's queue orders.
+    def sequence_digests(self) -> dict[SeqId, str]:
+        """SHA-256 (hex) per sequence, running or preempted: its state, tokens and table."""
+        out: dict[SeqId, str] = {}
+        for state, seqs in ((0, self._seqs), (1, self._preempted)):
+            for seq_id, seq in seqs.items():
+                parts: list[bytes] = []
+                encode_key(seq_id, parts)
+                parts.append(encode_tokens([state, seq.num_tokens, len(seq.blocks),
+                                            *(b.block_id for b in seq.blocks)]))
+                out[seq_id] = hashlib.sha256(b"".join(parts)).hexdigest()
+        return out
 
-        Identical on every rank that made the same calls; the queue orders are included
-        because they decide every later allocation, so a divergence shows up before it
-        reaches a block table. Sequences are encoded sorted by id, not by arrival.
-        """
+    def order_digest(self) -> str:
+        """SHA-256 (hex) of the orders that decide later calls: the running sequences'
+        ages (who is preempted next), the resumption order, the free and evictable queues."""
         parts: list[bytes] = []
-        for seq_id in sorted(self._seqs, key=lambda s: (isinstance(s, str), s)):
-            seq = self._seqs[seq_id]
-            encode_key(seq_id, parts)
-            parts.append(encode_tokens([seq.num_tokens, len(seq.blocks)]))
-            parts.append(encode_tokens([b.block_id for b in seq.blocks]))
+        for seqs in (self.running(), self.preempted()):
+            parts.append(encode_tokens([len(seqs)]))
+            for seq_id in seqs:
+                encode_key(seq_id, parts)
         for order in (self.pool.free_order(), self.pool.evictable_order()):
             parts.append(encode_tokens([len(order), *order]))
+        return hashlib.sha256(b"".join(parts)).hexdigest()
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of every sequence's digest (sorted by id) and the order digest.
+
+        Identical on every rank that made the same calls; the orders are included because
+        they decide every later allocation and preemption, so a divergence shows up before
+        it reaches a block table.
+        """
+        seqs = self.sequence_digests()
+        parts = [bytes.fromhex(seqs[s]) for s in sorted(seqs, key=_id_order)]
+        parts.append(bytes.fromhex(self.order_digest()))
         return hashlib.sha256(b"".join(parts)).hexdigest()
 
     def take_events(self) -> list[KVEvent]:
@@ -198,39 +255,35 @@ class KVCacheManager:
         ``tokens`` may be a count when the ids are unknown; such a prompt is never cached.
         Atomic: on error nothing changed.
         """
-        if not isinstance(seq_id, (int, str)) or isinstance(seq_id, bool):
-            raise CacheUsageError(f"sequence ids are int or str, got {seq_id!r}; use one of those")
-        if seq_id in self._seqs:
-            raise CacheUsageError(
-                f"sequence {seq_id!r} is already allocated ({self._seqs[seq_id].num_tokens} "
-                "tokens); append to it, or free it first"
-            )
+        self._check_new(seq_id, "allocate it")
         ids, n = self._as_tokens(tokens)
         extra = tuple(extra_keys)
         encode_key(extra, [])
-        bs = self.block_size
-        hashes: list[BlockHash] = []
-        block_tokens: list[tuple[int, ...]] = []
-        hit: list[Block] = []
-        if self.enable_prefix_caching and ids is not None:
-            hashes = hash_blocks(ids, bs, extra_keys=extra, hash_fn=self.hash_fn)
-            block_tokens = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
-            usable = max(n - 1, 0) // bs
-            hit = self.pool.match_prefix(hashes[:usable], block_tokens[:usable], extra)
-        n_new = _ceil_div(n, bs) - len(hit)
-        taken = n_new + sum(1 for b in hit if b.ref_count == 0)
-        if taken > self.pool.num_available:
-            raise self._capacity_error(f"new sequence {seq_id!r}", n, len(hit) * bs, taken)
-        for block in hit:
-            self.pool.acquire(block)
-        blocks = hit + self.pool.allocate(n_new)
-        for i in range(len(hit), len(hashes)):
-            parent = blocks[i - 1] if i else None
-            self.pool.cache(blocks[i], hashes[i], block_tokens[i], extra, parent)
-        self._seqs[seq_id] = _Sequence(blocks, n, ids, extra, hashes)
+        hit = self._admit(seq_id, ids, n, extra, f"new sequence {seq_id!r}")
         self._prompt_tokens += n
-        self._hit_tokens += len(hit) * bs
-        return len(hit) * bs
+        self._hit_tokens += hit
+        return hit
+
+    def resume(self, seq_id: SeqId, tokens: Sequence[int] | int = ()) -> int:
+        """Give preempted ``seq_id`` blocks again for its tokens plus ``tokens`` (those it
+        was about to append); return how many tokens the cache served.
+
+        The rest must be recomputed. The hit is capped as at :meth:`allocate`, and the
+        sequence becomes the youngest. Atomic: on error nothing changed.
+        """
+        try:
+            rec = self._preempted[seq_id]
+        except (KeyError, TypeError):
+            raise CacheUsageError(
+                f"sequence {seq_id!r} is not preempted ({len(self._preempted)} are: "
+                f"{self.preempted()[:4]}); resume only what make_room or preempt preempted"
+            ) from None
+        ids, k = self._as_tokens(tokens)
+        known = None if rec.tokens is None or ids is None else rec.tokens + ids
+        hit = self._admit(seq_id, known, rec.num_tokens + k, rec.extra_keys,
+                          f"preempted sequence {seq_id!r}")
+        del self._preempted[seq_id]
+        return hit
 
     def append(self, seq_id: SeqId, tokens: Sequence[int] | int) -> list[BlockCopy]:
         """Grow ``seq_id`` by new tokens (ids, or a count); return the copies to perform first.
@@ -243,10 +296,8 @@ class KVCacheManager:
         ids, k = self._as_tokens(tokens)
         if k == 0:
             return []
-        bs = self.block_size
-        filled = seq.num_tokens % bs
-        cow = filled != 0 and seq.blocks[-1].ref_count > 1
-        grow = _ceil_div(seq.num_tokens + k, bs) - len(seq.blocks)
+        filled = seq.num_tokens % self.block_size
+        grow, cow = self._append_need(seq, k)
         if grow + cow > self.pool.num_available:
             raise self._capacity_error(f"sequence {seq_id!r}", k, 0, grow + cow)
         copies: list[BlockCopy] = []
@@ -274,11 +325,7 @@ class KVCacheManager:
         by whichever of the two appends first (see :meth:`append`).
         """
         seq = self._get(parent)
-        if not isinstance(child, (int, str)) or isinstance(child, bool):
-            raise CacheUsageError(f"sequence ids are int or str, got {child!r}; use one of those")
-        if child in self._seqs:
-            raise CacheUsageError(f"cannot fork {parent!r} into {child!r}: it already exists; "
-                                  "free it first or pick a new id")
+        self._check_new(child, f"fork {parent!r} into {child!r}")
         for block in seq.blocks:
             self.pool.acquire(block)
         self._seqs[child] = _Sequence(
@@ -290,10 +337,52 @@ class KVCacheManager:
         )
 
     def free(self, seq_id: SeqId) -> None:
-        """Release every block of ``seq_id``; cached ones stay reusable until evicted."""
+        """Release every block of ``seq_id`` (or forget a preempted one); cached blocks stay
+        reusable until evicted."""
+        if isinstance(seq_id, (int, str)) and seq_id in self._preempted:
+            del self._preempted[seq_id]
+            return
         seq = self._get(seq_id)
         del self._seqs[seq_id]
         self.pool.release(seq.blocks[::-1])
+
+    def preempt(self, seq_id: SeqId) -> None:
+        """Release ``seq_id``'s blocks but keep its tokens, to recompute after :meth:`resume`.
+
+        Its blocks are released last-first like :meth:`free`'s, so its named full blocks
+        wait in the evictable queue and a resumption soon after hits them.
+        """
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        self.pool.release(seq.blocks[::-1])
+        self._preempted[seq_id] = _Sequence([], seq.num_tokens, seq.tokens, seq.extra_keys, [])
+        self._preemptions += 1
+
+    def make_room(self, seq_id: SeqId, n_tokens: int) -> list[SeqId]:
+        """Preempt the youngest sequences until ``n_tokens`` more fit ``seq_id``; return the
+        preempted, youngest first (empty when the append fits already).
+
+        ``seq_id`` itself is preempted when it is the youngest left and still does not fit;
+        then it must not append. Raises :class:`CacheCapacityError`, changing nothing, when
+        the sequence would need more blocks than the whole pool, which no preemption cures.
+        """
+        seq = self._get(seq_id)
+        _, k = self._as_tokens(n_tokens)
+        need = _ceil_div(seq.num_tokens + k, self.block_size)
+        if need > self.pool.num_blocks:
+            raise CacheCapacityError(
+                f"sequence {seq_id!r} would hold {seq.num_tokens + k} tokens = {need} blocks "
+                f"of {self.block_size}, more than all {self.pool.num_blocks} blocks of the "
+                "pool, so no preemption makes room; build the manager with num_blocks >= "
+                f"{need} or a larger block_size, or stop the sequence sooner")
+        out: list[SeqId] = []
+        while sum(self._append_need(seq, k)) > self.pool.num_available:
+            youngest = next(reversed(self._seqs))
+            self.preempt(youngest)
+            out.append(youngest)
+            if youngest == seq_id:
+                break
+        return out
 
     def evict(self, n: int) -> int:
         """Drop up to ``n`` least recently released cached blocks; return how many."""
@@ -307,10 +396,17 @@ class KVCacheManager:
         free + cached-evictable + in-use == total; each block's reference count equals the
         number of block tables holding it; each table has ``ceil(tokens / block_size)``
         distinct blocks; named blocks are exactly the full blocks whose content is known,
-        with the sequence's chain names; a partial last block is never named.
+        with the sequence's chain names; a partial last block is never named; a preempted
+        sequence holds no block and is not running.
         """
         bs = self.block_size
         refs: dict[BlockId, int] = {}
+        for seq_id, seq in self._preempted.items():
+            if seq_id in self._seqs or seq.blocks or seq.hashes or (
+                    seq.tokens is not None and len(seq.tokens) != seq.num_tokens):
+                raise RuntimeError(f"preempted sequence {seq_id!r}: blocks {seq.blocks}, "
+                                   f"running {seq_id in self._seqs}, or token record out of "
+                                   "step")
         for seq_id, seq in self._seqs.items():
             ids = [b.block_id for b in seq.blocks]
             if len(ids) != _ceil_div(seq.num_tokens, bs) or len(set(ids)) != len(ids):
@@ -337,10 +433,56 @@ class KVCacheManager:
 
     # ---- helpers ------------------------------------------------------------------------
 
+    def _check_new(self, seq_id: SeqId, verb: str) -> None:
+        if not isinstance(seq_id, (int, str)) or isinstance(seq_id, bool):
+            raise CacheUsageError(f"sequence ids are int or str, got {seq_id!r}; use one of those")
+        for seqs, state in ((self._seqs, "allocated"), (self._preempted, "preempted")):
+            if seq_id in seqs:
+                raise CacheUsageError(
+                    f"cannot {verb}: sequence {seq_id!r} is already {state} "
+                    f"({seqs[seq_id].num_tokens} tokens); free it first or pick a new id")
+
+    def _admit(self, seq_id: SeqId, ids: list[int] | None, n: int,
+               extra: tuple[ExtraKey, ...], what: str) -> int:
+        """Blocks for ``n`` tokens with prefix reuse; the sequence becomes the youngest."""
+        bs = self.block_size
+        hashes: list[BlockHash] = []
+        block_tokens: list[tuple[int, ...]] = []
+        hit: list[Block] = []
+        if self.enable_prefix_caching and ids is not None:
+            hashes = hash_blocks(ids, bs, extra_keys=extra, hash_fn=self.hash_fn)
+            block_tokens = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(len(hashes))]
+            usable = max(n - 1, 0) // bs
+            hit = self.pool.match_prefix(hashes[:usable], block_tokens[:usable], extra)
+        n_new = _ceil_div(n, bs) - len(hit)
+        taken = n_new + sum(1 for b in hit if b.ref_count == 0)
+        if taken > self.pool.num_available:
+            raise self._capacity_error(what, n, len(hit) * bs, taken)
+        for block in hit:
+            self.pool.acquire(block)
+        blocks = hit + self.pool.allocate(n_new)
+        for i in range(len(hit), len(hashes)):
+            parent = blocks[i - 1] if i else None
+            self.pool.cache(blocks[i], hashes[i], block_tokens[i], extra, parent)
+        self._seqs[seq_id] = _Sequence(blocks, n, ids, extra, hashes)
+        return len(hit) * bs
+
+    def _append_need(self, seq: _Sequence, k: int) -> tuple[int, int]:
+        """(new blocks, copy-on-write blocks) that appending ``k`` tokens to ``seq`` takes."""
+        if k == 0:
+            return 0, 0
+        filled = seq.num_tokens % self.block_size
+        cow = int(filled != 0 and seq.blocks[-1].ref_count > 1)
+        return _ceil_div(seq.num_tokens + k, self.block_size) - len(seq.blocks), cow
+
     def _get(self, seq_id: SeqId) -> _Sequence:
         try:
             return self._seqs[seq_id]
         except (KeyError, TypeError):
+            if isinstance(seq_id, (int, str)) and seq_id in self._preempted:
+                raise CacheUsageError(
+                    f"sequence {seq_id!r} is preempted (it holds no blocks); resume it first"
+                ) from None
             raise CacheUsageError(
                 f"sequence {seq_id!r} is not allocated: it was freed already or never "
                 f"allocated ({len(self._seqs)} live sequences); allocate it first"

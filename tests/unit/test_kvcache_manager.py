@@ -423,3 +423,81 @@ def test_pool_events_report_names_held() -> None:
     pool_mgr.evict(2)
     assert pool_mgr.take_events() == [BlockRemoved((names[1], names[0]))]
     assert pool_mgr.take_events() == []
+
+
+# ---- preemption ---------------------------------------------------------------------------
+
+
+def test_make_room_evicts_unheld_cached_blocks_before_preempting() -> None:
+    mgr = KVCacheManager(4, 2)
+    mgr.allocate("old", [1, 2, 3, 4])          # 2 named blocks
+    mgr.free("old")                            # now cached-evictable
+    mgr.allocate("a", [7])
+    mgr.allocate("b", [8])
+    assert mgr.pool.num_free == 0 and mgr.pool.num_evictable == 2
+    assert mgr.make_room("a", 3) == []         # the two cached blocks are taken instead
+    mgr.append("a", [1, 2, 3])
+    assert checked(mgr).stats().evictions == 1 and mgr.stats().preemptions == 0
+
+
+def test_make_room_preempts_youngest_first_and_resume_hits_its_own_blocks() -> None:
+    mgr = KVCacheManager(5, 2)
+    mgr.allocate("a", [1, 2])
+    mgr.allocate("b", [3, 4, 5, 6])            # 2 named blocks
+    mgr.fork("a", "a2")                        # the youngest
+    assert mgr.running() == ["a", "b", "a2"]
+    assert mgr.make_room("a", 6) == ["a2", "b"]
+    assert mgr.preempted() == ["b", "a2"] and "b" not in mgr
+    assert mgr.num_tokens("b") == 4 and checked(mgr).stats().preempted == 2
+    mgr.append("a", [9] * 6)
+    with pytest.raises(CacheUsageError, match="is preempted"):
+        mgr.append("b", [1])
+    with pytest.raises(CacheUsageError, match="already preempted"):
+        mgr.allocate("b", [1])
+    mgr.free("a")
+    # b's blocks were released last-first, so a's append evicted b's second block, not its
+    # first: the first is served
+    assert mgr.resume("b", [7]) == 2
+    assert mgr.running() == ["b"] and mgr.num_tokens("b") == 5
+    assert mgr.resume("a2") == 0 and checked(mgr).stats().preemptions == 2
+    with pytest.raises(CacheUsageError, match="not preempted"):
+        mgr.resume("a2")
+
+
+def test_make_room_refuses_what_no_preemption_cures_and_changes_nothing() -> None:
+    mgr = KVCacheManager(3, 2)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.allocate("b", [4])
+    before = mgr.digest()
+    with pytest.raises(CacheCapacityError, match="more than all 3 blocks") as info:
+        mgr.make_room("a", 4)                  # 7 tokens = 4 blocks
+    assert "num_blocks >= 4" in str(info.value) and mgr.digest() == before
+    assert mgr.make_room("b", 2) == ["b"]      # the youngest asks: it preempts itself
+
+
+def test_resume_that_does_not_fit_changes_nothing() -> None:
+    mgr = KVCacheManager(2, 2)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.preempt("a")
+    mgr.allocate("b", [5])
+    before = mgr.digest()
+    with pytest.raises(CacheCapacityError):
+        mgr.resume("a")
+    assert mgr.digest() == before and mgr.preempted() == ["a"]
+    mgr.free("a")                              # a preempted sequence can be dropped
+    assert checked(mgr).preempted() == []
+
+
+def test_digest_covers_the_ages_that_decide_preemption() -> None:
+    one, two = KVCacheManager(8, 2), KVCacheManager(8, 2)
+    for m, children in ((one, ("c1", "c2")), (two, ("c2", "c1"))):
+        m.allocate("p", [1, 2, 3])
+        for c in children:
+            m.fork("p", c)
+    assert one.block_tables() == two.block_tables()  # same tables, other youngest
+    assert one.sequence_digests() == two.sequence_digests()
+    assert one.digest() != two.digest() and one.order_digest() != two.order_digest()
+    three = KVCacheManager(8, 2)
+    three.allocate("p", [1, 2, 3])
+    three.preempt("p")
+    assert three.sequence_digests()["p"] != KVCacheManager(8, 2).sequence_digests().get("p")

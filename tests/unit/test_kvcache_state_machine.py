@@ -1,4 +1,5 @@
-"""Random allocate / append / fork / free / evict programs against KVCacheManager.
+"""Random allocate / append / fork / free / evict / preempt / make_room / resume programs
+against KVCacheManager.
 
 After every step the machine checks invariant 7 (``check_invariants``: free + evictable +
 in-use == total, reference counts == live references) and, independently of the manager's
@@ -7,7 +8,11 @@ test simulates the storage layer: every token slot holds the token's *content*, 
 keys plus the whole prefix up to that token (what its KV depends on). Tokens served from the
 prefix cache are not written; copies returned by ``append`` are performed first. A wrong
 prefix hit, a write into a shared block or a missed copy makes some sequence read a slot
-whose content differs from its own, and the test fails.
+whose content differs from its own, and the test fails. A preempted sequence's tokens
+come back at resume: the part the cache serves must still hold its content, the rest is
+rewritten (recomputed). The machine keeps its own age order (allocate, fork and resume
+make a sequence the youngest) and resumption order, and :meth:`make_room` must preempt
+exactly the youngest, and only when the append does not fit.
 
 Half the runs use a weak hash that collides constantly, so hits must be confirmed.
 """
@@ -49,6 +54,9 @@ def make_machine(tally: Counter[str]) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.model: dict[int, tuple[tuple, list[int]]] = {}  # seq -> (extra, tokens)
+            self.age: list[int] = []  # running, oldest first
+            self.waiting: dict[int, tuple[tuple, list[int]]] = {}  # preempted
+            self.resume_order: list[int] = []
             self.freed: list[int] = []
             self.prompts: list[list[int]] = [[]]
             self.next_id = 0
@@ -74,6 +82,7 @@ def make_machine(tally: Counter[str]) -> type[RuleBasedStateMachine]:
             }
             self.names: set[BlockHash] = set()
             self.evictions = 0
+            self.preemptions_before = tally["preemptions"]
 
         # ---- helpers --------------------------------------------------------------------
 
@@ -122,6 +131,7 @@ def make_machine(tally: Counter[str]) -> type[RuleBasedStateMachine]:
                 tokens = self.fresh_tokens(len(tokens))
                 assert served == 0
             self.model[seq] = (extra, tokens)
+            self.age.append(seq)
             tally["hits"] += served > 0
             self.prompts.append(tokens)
             assert served % self.bs == 0 and served <= max(len(tokens) - 1, 0)
@@ -168,15 +178,92 @@ def make_machine(tally: Counter[str]) -> type[RuleBasedStateMachine]:
             self.mgr.fork(parent, child)
             extra, tokens = self.model[parent]
             self.model[child] = (extra, list(tokens))
+            self.age.append(child)
 
-        @precondition(lambda self: bool(self.model))
+        @precondition(lambda self: bool(self.model) or bool(self.waiting))
         @rule(data=st.data())
         def free(self, data: st.DataObject) -> None:
             tally["steps"] += 1
-            seq = data.draw(st.sampled_from(sorted(self.model)))
+            seq = data.draw(st.sampled_from(sorted([*self.model, *self.waiting])))
             self.mgr.free(seq)
-            del self.model[seq]
+            if seq in self.model:
+                del self.model[seq]
+                self.age.remove(seq)
+            else:
+                del self.waiting[seq]
+                self.resume_order.remove(seq)
             self.freed.append(seq)
+
+        def preempted(self, seq: int) -> None:
+            self.waiting[seq] = self.model.pop(seq)
+            self.age.remove(seq)
+            self.resume_order.insert(0, seq)
+            tally["preemptions"] += 1
+
+        @precondition(lambda self: bool(self.model))
+        @rule(data=st.data())
+        def preempt(self, data: st.DataObject) -> None:
+            tally["steps"] += 1
+            seq = data.draw(st.sampled_from(sorted(self.model)))
+            self.mgr.preempt(seq)
+            self.preempted(seq)
+            with pytest.raises(CacheUsageError, match="preempted"):
+                self.mgr.append(seq, [1])
+
+        @precondition(lambda self: bool(self.model))
+        @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=9))
+        def make_room(self, data: st.DataObject, new: list[int]) -> None:
+            """Preempt the youngest until ``new`` fits, then append it (unless preempted)."""
+            tally["steps"] += 1
+            seq = data.draw(st.sampled_from(sorted(self.model)))
+            before = self.mgr.digest()
+            fits = self.mgr.can_append(seq, len(new))
+            try:
+                out = self.mgr.make_room(seq, len(new))
+            except CacheCapacityError:
+                need = -(-(len(self.model[seq][1]) + len(new)) // self.bs)
+                assert need > self.mgr.pool.num_blocks
+                assert self.mgr.digest() == before
+                return
+            assert (out == []) == fits
+            assert out == self.age[::-1][: len(out)]  # the youngest, youngest first
+            for victim in out:
+                self.preempted(victim)
+            if seq in out:
+                assert out[-1] == seq
+                return
+            assert self.mgr.can_append(seq, len(new))
+            start = len(self.model[seq][1])
+            copies = self.mgr.append(seq, new)
+            tally["copies"] += len(copies)
+            for copy in copies:
+                src, dst = self.storage[copy.src], self.storage[copy.dst]
+                dst[: copy.num_tokens] = src[: copy.num_tokens]
+            self.model[seq][1].extend(new)
+            self.write(seq, start)
+
+        @precondition(lambda self: bool(self.waiting))
+        @rule(data=st.data(), new=st.lists(st.integers(0, 2), max_size=3))
+        def resume(self, data: st.DataObject, new: list[int]) -> None:
+            tally["steps"] += 1
+            seq = data.draw(st.sampled_from(self.resume_order[:2]))
+            before = self.mgr.digest()
+            try:
+                served = self.mgr.resume(seq, new)
+            except CacheCapacityError:
+                assert self.mgr.digest() == before and seq in self.waiting
+                return
+            tally["resumes"] += 1
+            tally["resume_hits"] += served > 0
+            extra, tokens = self.waiting.pop(seq)
+            self.resume_order.remove(seq)
+            self.model[seq] = (extra, tokens + new)
+            self.age.append(seq)
+            assert served % self.bs == 0 and served <= max(len(tokens) + len(new) - 1, 0)
+            table = self.mgr.block_table(seq)
+            for t in range(served):  # what the cache serves is still this sequence's
+                assert self.storage[table[t // self.bs]][t % self.bs] == self.content(seq, t)
+            self.write(seq, served)  # the rest is recomputed
 
         @precondition(lambda self: bool(self.freed))
         @rule(data=st.data())
@@ -205,6 +292,16 @@ def make_machine(tally: Counter[str]) -> type[RuleBasedStateMachine]:
             self.evictions = self.mgr.pool.evictions
             pool = self.mgr.pool
             assert pool.num_free + pool.num_evictable + pool.num_in_use == pool.num_blocks
+
+        @invariant()
+        def ages_and_resumption_order(self) -> None:
+            assert self.mgr.running() == self.age
+            assert self.mgr.preempted() == self.resume_order
+            for seq, (_, tokens) in self.waiting.items():
+                assert self.mgr.num_tokens(seq) == len(tokens) and seq not in self.mgr
+            stats = self.mgr.stats()
+            assert stats.preempted == len(self.waiting)
+            assert stats.preemptions == tally["preemptions"] - self.preemptions_before
 
         @invariant()
         def sequences_read_their_own_cache(self) -> None:
@@ -248,5 +345,6 @@ def test_random_programs_conserve_blocks_and_contents() -> None:
     )
     assert tally["steps"] >= MIN_TOTAL_STEPS, tally
     # the programs must reach every path worth checking, not only the easy ones
-    for what in ("hits", "copies", "evictions", "full"):
+    for what in ("hits", "copies", "evictions", "full", "preemptions", "resumes"):
         assert tally[what] >= 50, tally
+    assert tally["resume_hits"] >= 5, tally  # rarer: the blocks must outlive the preemption

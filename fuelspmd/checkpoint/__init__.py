@@ -21,8 +21,9 @@ The commit, and why any kill leaves a committed checkpoint at ``path``. A direct
 name, fsynced and renamed, and it records the name it is committed under. A save:
 
 1. every rank writes its shard into ``<path>.tmp-<nonce>/``, fsyncs it and the directory,
-   then writes a ``done-<rank>`` marker the same way (no collective after the agreement,
-   so the writing can run on a background thread);
+   then writes a ``done-<rank>`` marker through a temporary name, fsynced and renamed,
+   and touches the directory no more, since rank 0 may commit it at once (no collective
+   after the agreement, so the writing can run on a background thread);
 2. rank 0 waits (with the communicator's deadline) for every marker, writes the index
    into the temporary directory, and commits by renames: ``path -> <path>.old-<nonce>``
    (if a checkpoint is there), ``<path>.tmp-<nonce> -> path``, each fsynced; then it

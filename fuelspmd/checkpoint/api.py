@@ -216,7 +216,10 @@ def _write(path: Path, nonce: str, rank: int, size: int, held: Held, writes: set
                             recs[n]["crc32"]] for n, _, _, e in mine]}
         fsync_dir(tmp)
         hook("dir fsynced")
-    write_json(tmp / f"done-{rank}", done, hook, "marker")
+    # Once its marker is in, a rank touches ``tmp`` no more: rank 0 may see the marker and
+    # commit (rename ``tmp``) at once. The marker's own entry needs no fsync: the shard's is
+    # durable (above), and the commit record is rank 0's index.
+    write_json(tmp / f"done-{rank}", done, hook, "marker", sync_dir=rank == 0)
     if rank != 0:
         return
     markers = [tmp / f"done-{r}" for r in range(size)]

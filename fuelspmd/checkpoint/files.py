@@ -67,8 +67,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, value: Any, hook: Hook = _none, what: str = "") -> None:
-    """Write ``value`` to ``path`` through a temporary name, fsynced, renamed into place."""
+def write_json(path: Path, value: Any, hook: Hook = _none, what: str = "", *,
+               sync_dir: bool = True) -> None:
+    """Write ``value`` to ``path`` through a temporary name, fsynced, renamed into place
+    (and the rename made durable unless ``sync_dir`` is false)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         json.dump(value, f)
@@ -77,7 +79,8 @@ def write_json(path: Path, value: Any, hook: Hook = _none, what: str = "") -> No
         os.fsync(f.fileno())
     os.replace(tmp, path)
     hook(f"{what} renamed")
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def write_shard(path: Path, tensors: Sequence[tuple[str, np.ndarray, str]],

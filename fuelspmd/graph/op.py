@@ -62,9 +62,10 @@ class Op:
     kind: str = "other"  # elementwise | view | reduce | other | leaf | const
     ufunc: str | None = None
     cexpr: str | None = None
-    # operands a fused CPU step may overwrite; for an op with its own kernel (``put``), its
-    # operand 0, which the kernel writes when the planner calls it with donate=True
-    inplace_ok: tuple[int, ...] | None = None
+    inplace_ok: tuple[int, ...] | None = None  # operands a fused CPU step may overwrite
+    # the kernel writes operand 0 and returns it when the planner calls it with
+    # donate=True (that operand is the graph's and dies there): ``put``
+    writes_input: bool = False
     effectful: bool = False  # the rest: effectful ops only (see the module docstring)
     serial: bool = True
     start: Callable[..., Any] | None = None

@@ -582,7 +582,7 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             u = s.ins[0]  # it lives until the wait
             s.donate = (storage[u] == u and writable[u] and not pinned[u]
                         and store_last[u] == s.pair and sum(storage[x] == u for x in s.ins) == 1)
-        elif isinstance(s, Kernel) and s.owns and s.instr.op.inplace_ok:
+        elif isinstance(s, Kernel) and s.owns and s.instr.op.writes_input:
             u = s.ins[0]  # the same rule as a fused step's donor: dies here, read once
             s.donate = (storage[u] == u and writable[u] and not pinned[u]
                         and store_last[u] == i and sum(storage[x] == u for x in s.ins) == 1)

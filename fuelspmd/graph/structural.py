@@ -240,7 +240,7 @@ def _vjp_put(g: Node, n: Node, w: tuple[bool, ...]) -> tuple[Node | None, ...]:
             make("take", (g, idx), n.attrs) if w[2] else None)
 
 
-register(Op("put", _put_rule, _put, _vjp_put, inplace_ok=(0,)))
+register(Op("put", _put_rule, _put, _vjp_put, writes_input=True))
 
 
 # to: attrs (dst, src); the node lives on dst.

@@ -12,9 +12,10 @@ the blocks of :func:`stage_layers` ``[s]`` in a dict keyed by the global layer i
 every parameter has the name it has in the whole model (``blocks.5.attn.q.weight``) on
 every layout; the first stage also holds the embeddings, the last the final norm and the
 head. With tied embeddings the last stage keeps its own copy of the table under the same
-name (``embed.weight``), as Megatron does. ``model(x)`` is the stage's forward (ids in on
-the first, hidden states between, logits out of the last): :attr:`Decoder.stages` is what
-a :class:`~fuelspmd.pipeline_parallel.PipelineExecutor` takes.
+name (``embed.weight``), as Megatron does, marked ``spec.mirror`` (norms count the first
+stage's). ``model(x)`` is the stage's forward (ids in on the first, hidden states between,
+logits out of the last): :attr:`Decoder.stages` is what a
+:class:`~fuelspmd.pipeline_parallel.PipelineExecutor` takes.
 
 Hugging Face layout. Each subclass maps a parameter name of ours to a :class:`Source`: the
 Hugging Face tensor, whether it is stored transposed (``nn.Linear``'s ``[out, in]``
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,9 @@ class Decoder(Module):
             self.head = ParallelLMHead(a.hidden, a.vocab, comm=tpc, gather_output=True,
                                        tie=self.embed if a.tie else None,
                                        **({} if a.tie else src(2)), **kw)
+            if a.tie and not self.first:  # the first stage owns the table
+                w = self.embed.weight
+                w.spec = replace(w.spec, mirror=True)
 
     # ---- forward --------------------------------------------------------------------
     @property

@@ -41,12 +41,16 @@ class Spec:
 
     ``full_shape`` is the unsharded shape; ``axis`` names the mesh axis of ``comm`` ("tp",
     "dp", ...), so a caller walking parameters knows which group holds the other blocks.
+    ``mirror`` marks a stage's copy of a weight another pipeline stage owns (a tied
+    embedding table on the last stage): after the tied gradients are summed the copy's
+    gradient is the owner's, so a norm over the stages counts the owner's alone.
     """
 
     full_shape: tuple[int, ...]
     dim: int | None = None
     axis: str | None = None
     comm: Communicator | None = None
+    mirror: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "full_shape", tuple(int(d) for d in self.full_shape))

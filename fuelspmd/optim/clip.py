@@ -7,7 +7,9 @@ Layer 7. The norm is the 2-norm of the *unsharded* model's gradient, what
   shard, summed over that axis's communicator (the shards partition the full tensor);
 * a replicated parameter holds the whole gradient on every rank of that axis, so its
   squares count once, unreduced;
-* pipeline stages hold disjoint parameters: the stage totals are summed over ``pp``;
+* pipeline stages hold disjoint parameters: the stage totals are summed over ``pp``; a
+  stage's copy of a weight another stage owns (``p.spec.mirror``: a tied embedding table
+  on the last stage) is left out, its gradient being the owner's;
 * over ``dp`` the gradients are already averaged, equal on every replica, so nothing is
   summed (ZeRO-1 holds dp *shards* instead, and sums them: :func:`global_norm`'s ``dp``).
 
@@ -103,7 +105,8 @@ def clip_grad_norm(params: Sequence[Parameter], grads: Sequence[Tensor], max_nor
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ConfigError(f"clip_grad_norm: max_norm={max_norm!r} must be a number > 0")
     device = params[0].device if params else None
-    rep, sharded = squares(((g, spread_over(p, mesh)) for p, g in zip(params, grads)), device)
+    rep, sharded = squares(((g, spread_over(p, mesh)) for p, g in zip(params, grads)
+                            if not p.spec.mirror), device, [spread_over(p, mesh) for p in params])
     norm = global_norm(rep, sharded, mesh=mesh)
     return clip_by(grads, max_norm, norm), norm
 

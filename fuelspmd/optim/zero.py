@@ -213,7 +213,8 @@ class ZeRO1:
         norm = None
         if max_norm is not None:
             parts = [(piece, spread_over(params[i], mesh))
-                     for b, g in zip(self.buckets, gs) for i, piece in self._pieces(b, g)]
+                     for b, g in zip(self.buckets, gs) for i, piece in self._pieces(b, g)
+                     if not params[i].spec.mirror]
             # every sharded parameter's communicator, so each dp rank (whatever its
             # slices hold) all-reduces the same list
             rep, sharded = squares(parts, gs[0].device,

@@ -92,6 +92,20 @@ def test_train_from_a_directory(dirs: dict[str, Path], capsys: pytest.CaptureFix
     assert not np.array_equal(a, start)  # it was trained
 
 
+def test_a_table_tied_across_stages_counts_once_in_the_clip_norm(
+        dirs: dict[str, Path]) -> None:
+    """pp 2 holds GPT-2's tied table on both stages: the gradient norm the clip uses (and
+    so every clipped step) is the one-stage model's, not one with the table counted twice."""
+    train = _example("train")
+    base = ["--from", str(dirs["gpt2"]), "--steps", "3", "--lr", "3e-3", "--clip", "0.5",
+            "--microbatches", "2", "--batch", "4", "--tp", "1"]
+    one = fs.DeviceGroup.cpu(1, timeout=60).run(train.train, [train.parse(base)])[0]
+    two = fs.DeviceGroup.cpu(2, timeout=60).run(
+        train.train, [train.parse([*base, "--pp", "2"])] * 2)[0]
+    np.testing.assert_allclose(two["norms"], one["norms"], rtol=1e-5)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+
+
 def test_train_from_refuses_the_builtin_only_options(dirs: dict[str, Path]) -> None:
     train = _example("train")
     with pytest.raises(SystemExit):

@@ -271,11 +271,9 @@ class MPITransport:
     def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
         """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
         the next call of that kind (one kind: a loop repeats one)."""
-        rec = self._record()
-        n = buf.nbytes
-        slot = rec[0][3:].view(np.uint8)[:n].view(buf.dtype).reshape(buf.shape)
-        parts = rec[1][:, 3:].view(np.uint8)[:, :n].view(buf.dtype).reshape(
-            (self.size, *buf.shape))
+        rec, n = self._record(), buf.nbytes
+        slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
+        parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
         simple = plan.stage is None and not plan.avg and buf.dtype != np.bool_
         kind = _Inline(buf.dtype, op, buf.shape, slot, parts, UFUNCS[op] if simple else None,
                        plan)
@@ -296,12 +294,12 @@ class MPITransport:
             local_reduce(k.parts, k.op, k.plan, buf)
         return DONE
 
-    def _record(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, memoryview, np.ndarray]:
+    def _record(self) -> tuple[np.ndarray, ...]:
         """The check record, every rank's, and the views the meetings read (made once)."""
         rec = self._records
         if rec is None:
             mine, rows = np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64)
-            rec = self._records = (mine, rows, rows[:, :3], memoryview(mine).cast("B")[24:],
+            rec = self._records = (mine, rows, rows[:, :3], mine[3:].view(np.uint8),
                                    rows[:, 3:].view(np.uint8))
         return rec
 
@@ -314,11 +312,8 @@ class MPITransport:
         mine, rows = rec[0], rec[1]
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
-        if payload is not None:
-            try:
-                rec[3][:payload.nbytes] = memoryview(payload).cast("B")
-            except ValueError:  # a dtype the buffer protocol cannot name (bfloat16)
-                rec[3][:payload.nbytes] = memoryview(payload.view(np.uint8)).cast("B")
+        if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
+            rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self._comm.Iallgather(mine, rows)
         if not req.Test():
             try:

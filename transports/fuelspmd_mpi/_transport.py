@@ -70,6 +70,13 @@ class _Inline(NamedTuple):
     plan: Any
 
 
+def _records(size: int) -> tuple[np.ndarray, ...]:
+    """A check record, every rank's, and the views the meetings read: the words, this
+    rank's payload slot, every rank's payload."""
+    mine, rows = np.zeros(_RECORD, np.int64), np.empty((size, _RECORD), np.int64)
+    return mine, rows, rows[:, :3], mine[3:].view(np.uint8), rows[:, 3:].view(np.uint8)
+
+
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
     """Whether ``buf`` surely passes check_buffers (a C-contiguous numpy array of a known
     dtype), in a few attribute reads; anything else goes through check_buffers."""
@@ -116,7 +123,7 @@ class MPITransport:
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
-        self._records: tuple[Any, ...] | None = None  # _meet's buffers and views, reused
+        self._records = _records(self.size)  # _meet's buffers and views, reused
         self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
 
     @property
@@ -271,7 +278,7 @@ class MPITransport:
     def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
         """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
         the next call of that kind (one kind: a loop repeats one)."""
-        rec, n = self._record(), buf.nbytes
+        rec, n = self._records, buf.nbytes
         slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
         parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
         simple = plan.stage is None and not plan.avg and buf.dtype != np.bool_
@@ -294,21 +301,12 @@ class MPITransport:
             local_reduce(k.parts, k.op, k.plan, buf)
         return DONE
 
-    def _record(self) -> tuple[np.ndarray, ...]:
-        """The check record, every rank's, and the views the meetings read (made once)."""
-        rec = self._records
-        if rec is None:
-            mine, rows = np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64)
-            rec = self._records = (mine, rows, rows[:, :3], mine[3:].view(np.uint8),
-                                   rows[:, 3:].view(np.uint8))
-        return rec
-
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
         """All-gather every rank's check words and ``payload`` (a plain array of at most
         ``INLINE`` bytes, or None; an inline all_reduce wrote its own) in one fixed-size
         record; raise Disagreement unless the words agree. Return every rank's payload
         bytes, a (size, INLINE) uint8 view."""
-        rec = self._records or self._record()
+        rec = self._records
         mine, rows = rec[0], rec[1]
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
@@ -320,7 +318,7 @@ class MPITransport:
                 MPIWork(req, self, op + " (check)", seq, keep=rec).wait(
                     min(check.timeout, self.timeout), watch=check.watch)
             except BaseException:  # MPI may still write them: never reused (see MPIWork)
-                self._records = self._inline = None
+                self._records, self._inline = _records(self.size), None
                 raise
         words = rec[2].tolist()
         if not check.agrees(words):

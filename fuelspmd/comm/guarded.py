@@ -28,6 +28,7 @@ from fuelspmd.comm.guard import TAG_P2P, Guard
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.errors import CommError, CommTimeoutError
 from fuelspmd.transport import (
+    DONE,
     Check,
     Disagreement,
     ReduceOp,
@@ -39,6 +40,7 @@ from fuelspmd.transport import (
 
 __all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
 
+_ndarray = np.ndarray
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
 # what a guarded transport passes on of the inner one's capabilities (the checks and the
 # probe are the guard's own business)
@@ -129,6 +131,8 @@ class GuardedTransport:
         self._checked = "checked" in transport.capabilities and self.guard.checks
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
+        self._bare = recorder is None and not self._debug  # a completed op leaves nothing
+        self._inner_all_reduce = transport.all_reduce
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
             _OPEN.add(self)
             atexit.unregister(_at_exit)
@@ -172,7 +176,7 @@ class GuardedTransport:
         if check is None:  # off mode, or one rank
             work = method(*args)
         else:  # recorded once issued (a caller's mistake raises before, and leaves none)
-            g.begin(call.encoded, seq, cseq, fp=call.fp)
+            g.begin(call.encoded, seq, cseq, 0, -1, call.fp)
             w = check.words
             w[1], w[2] = cseq, g.fence
             try:
@@ -185,7 +189,7 @@ class GuardedTransport:
                 self._failed(e)
                 raise
         self.seq, self.cseq = seq + 1, cseq + 1
-        if g.recorder is None and not self._debug and work.test():
+        if self._bare and (work is DONE or work.test()):
             g.settle(-1)
             return work
         return GuardedWork(g, work, call.encoded, seq, cseq, g.record(call.fp, seq, cseq),
@@ -221,7 +225,7 @@ class GuardedTransport:
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
         m = self._memo  # the kind of the last all_reduce: a repeated one skips the lookup
-        if (op is m[2] and buf.__class__ is np.ndarray and buf.dtype is m[1]
+        if (op is m[2] and buf.__class__ is _ndarray and buf.dtype is m[1]
                 and buf.shape == m[0] and buf.flags.c_contiguous):
             rop, call = m[3], m[4]
         else:
@@ -230,7 +234,7 @@ class GuardedTransport:
             call = self._call("all_reduce", buf, rop._value_)  # type: ignore[union-attr]
             if buf.__class__ is np.ndarray:
                 self._memo = (buf.shape, buf.dtype, op, rop, call)
-        return self._collective(call, "all_reduce", self.inner.all_reduce, (buf, rop), buf)
+        return self._collective(call, "all_reduce", self._inner_all_reduce, (buf, rop), buf)
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Guarded ``Transport.all_gather``."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
-from fuelspmd_mpi._work import MPIWork, Types, divide, local_reduce
+from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, local_reduce
 
 __all__ = ["MPITransport"]
 
@@ -54,6 +54,27 @@ DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
 # well-formed exchange, and no data collective is issued before they know they agree.
 INLINE = 512
 _RECORD = 3 + INLINE // 8
+
+
+class _Inline(NamedTuple):
+    """A kind of small all_reduce carried in the check record: its dtype, op and shape, the
+    views of this rank's slot and every rank's part, and how the parts are reduced (the
+    ufunc itself where :func:`local_reduce` would only call it)."""
+
+    dtype: np.dtype
+    op: ReduceOp
+    shape: tuple[int, ...]
+    slot: np.ndarray
+    parts: np.ndarray
+    ufunc: Any
+    plan: Any
+
+
+def _records(size: int) -> tuple[np.ndarray, ...]:
+    """A check record, every rank's, and the views the meetings read: the words, this
+    rank's payload slot, every rank's payload."""
+    mine, rows = np.zeros(_RECORD, np.int64), np.empty((size, _RECORD), np.int64)
+    return mine, rows, rows[:, :3], mine[3:].view(np.uint8), rows[:, 3:].view(np.uint8)
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
@@ -102,7 +123,8 @@ class MPITransport:
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
-        self._records: tuple[Any, ...] | None = None  # _meet's buffers and views, reused
+        self._records = _records(self.size)  # _meet's buffers and views, reused
+        self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
 
     @property
     def comm(self) -> Any:
@@ -176,7 +198,12 @@ class MPITransport:
         and a barrier, the meeting is the whole collective. No data collective is issued
         unless every rank's words agree; otherwise every rank raises :class:`Disagreement`."""
         if op == "all_reduce":
-            return self._all_reduce(args[0], args[1], check)
+            buf, rop = args
+            k = self._inline
+            if (k is not None and buf.__class__ is _ndarray and buf.dtype is k.dtype
+                    and rop is k.op and buf.shape == k.shape and buf.flags.c_contiguous):
+                return self._reduce_inline(check, k, buf)
+            return self._all_reduce(buf, rop, check)
         if op == "all_gather":
             send, recv = args
             if (send.nbytes <= INLINE and _plain(send, self._move) and _plain(recv, self._move)
@@ -226,11 +253,9 @@ class MPITransport:
                 return DONE
             check = None  # over the cap: compared in its header, MPI's own moves the data
         if check is not None:
-            if buf.nbytes <= INLINE:
-                flat = buf.reshape(-1)
-                rows = self._meet(check, seq, "all_reduce", flat)
-                local_reduce(rows[:, :flat.nbytes].view(flat.dtype), op, plan, flat)
-                return DONE
+            if buf.nbytes <= INLINE and type(buf) is _ndarray:
+                self._seq = seq  # the inline meeting numbers it
+                return self._reduce_inline(check, self._inline_kind(buf, op, plan), buf)
             self._meet(check, seq, "all_reduce")
         if buf.size == 0:
             return DONE
@@ -250,31 +275,55 @@ class MPITransport:
         return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
+    def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
+        """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
+        the next call of that kind (one kind: a loop repeats one)."""
+        rec, n = self._records, buf.nbytes
+        slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
+        parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
+        simple = plan.stage is None and not plan.avg and buf.dtype != np.bool_
+        kind = _Inline(buf.dtype, op, buf.shape, slot, parts, UFUNCS[op] if simple else None,
+                       plan)
+        if np.shares_memory(parts, rec[1]) and np.shares_memory(slot, rec[0]):
+            self._inline = kind
+        return kind
+
+    def _reduce_inline(self, check: Check, k: _Inline, buf: np.ndarray) -> Work:
+        """A small all_reduce whole in its check's meeting: every rank's buffer rides in its
+        record, and every rank reduces the same rows in rank order (the same bits)."""
+        seq = self._seq
+        self._seq = seq + 1
+        k.slot[...] = buf
+        self._meet(check, seq, "all_reduce")
+        if k.ufunc is not None:
+            k.ufunc.reduce(k.parts, 0, None, buf)
+        else:
+            local_reduce(k.parts, k.op, k.plan, buf)
+        return DONE
+
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
         """All-gather every rank's check words and ``payload`` (a plain array of at most
-        ``INLINE`` bytes, or None) in one fixed-size record; raise Disagreement unless the
-        words agree. Return every rank's payload bytes, a (size, INLINE) uint8 view."""
-        bufs, self._records = self._records, None  # a wait that gives up keeps them MPI's
-        if bufs is None:  # the record, every rank's, and the views the hot path reads
-            mine, rows = np.zeros(_RECORD, np.int64), np.empty((self.size, _RECORD), np.int64)
-            bufs = (mine, rows, memoryview(mine).cast("B")[24:], rows[:, :3],
-                    rows[:, 3:].view(np.uint8))
-        mine, rows, slot, words_view, payloads = bufs
+        ``INLINE`` bytes, or None; an inline all_reduce wrote its own) in one fixed-size
+        record; raise Disagreement unless the words agree. Return every rank's payload
+        bytes, a (size, INLINE) uint8 view."""
+        rec = self._records
+        mine, rows = rec[0], rec[1]
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
-        if payload is not None:
-            try:
-                slot[:payload.nbytes] = memoryview(payload).cast("B")
-            except ValueError:  # a dtype the buffer protocol cannot name (bfloat16)
-                slot[:payload.nbytes] = memoryview(payload.view(np.uint8)).cast("B")
+        if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
+            rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self._comm.Iallgather(mine, rows)
-        MPIWork(req, self, f"{op} (check)", seq, keep=bufs).wait(
-            min(check.timeout, self.timeout), watch=check.watch)
-        self._records = bufs
-        words = words_view.tolist()
+        if not req.Test():
+            try:
+                MPIWork(req, self, op + " (check)", seq, keep=rec).wait(
+                    min(check.timeout, self.timeout), watch=check.watch)
+            except BaseException:  # MPI may still write them: never reused (see MPIWork)
+                self._records, self._inline = _records(self.size), None
+                raise
+        words = rec[2].tolist()
         if not check.agrees(words):
             raise Disagreement(f"{op} #{seq} on rank {self.rank} of {self.describe()}", words)
-        return payloads
+        return rec[4]
 
     def probe(self, peer: int | None, tag: int) -> int | None:
         """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has
@@ -411,6 +460,7 @@ class MPITransport:
 
     def _free_shm(self) -> None:
         """Free the shm windows and the node/rail splits; the route falls back to MPI."""
+        self._inline = None  # its path was chosen under the old route
         if self._shm is not None:
             self._kept_windows += self._shm.free()
             self._shm = None

@@ -146,8 +146,16 @@ class Kernel(Step):
             mem.own(self.nbytes)
 
 
+def _merges_rows(a: np.ndarray) -> bool:
+    """Whether ``a``'s axes but the last merge into one as a view (no copy)."""
+    st, sh = a.strides, a.shape
+    return all(sh[i + 1] == 1 or st[i] == st[i + 1] * sh[i + 1] for i in range(a.ndim - 2))
+
+
 class Matmul(Step):
-    """numpy's matmul into a buffer from the pool."""
+    """numpy's matmul into a buffer from the pool. A stacked ``a`` times a matrix whose
+    rows merge as a view is one 2-d product (numpy's stacked matmul makes one BLAS call
+    per matrix of the stack, packing ``b`` each time)."""
 
     __slots__ = ("np_dtype",)
     kind = "matmul_out"
@@ -157,8 +165,13 @@ class Matmul(Step):
         self.np_dtype = to_numpy(instr.dtype)
 
     def run(self, vals: list[Any], mem: Memory) -> None:
+        a, b = vals[self.ins[0]], vals[self.ins[1]]
         buf = mem.alloc(self.instr.shape, self.np_dtype, self.nbytes)
-        vals[self.out] = np.matmul(vals[self.ins[0]], vals[self.ins[1]], out=buf)
+        if a.ndim > 2 and b.ndim == 2 and a.size and _merges_rows(a):
+            np.matmul(a.reshape(-1, a.shape[-1]), b, out=buf.reshape(-1, buf.shape[-1]))
+            vals[self.out] = buf
+        else:
+            vals[self.out] = np.matmul(a, b, out=buf)
 
     def allocs(self) -> list[PoolKey]:
         return [(self.instr.size, self.instr.dtype)]

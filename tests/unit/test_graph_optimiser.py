@@ -299,3 +299,18 @@ def test_cupy_kernel_source_in_half_and_integer_dtypes() -> None:
     ints = source(abs(n) ** n)
     assert ints.in_params == "int64 x0" and "long long t" in ints.body
     assert "fabs(long long" in ints.preamble and "pow(long long" in ints.preamble
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (3, 1, 4, 6), (2, 6, 0, 3)])
+def test_a_stacked_matmul_by_a_matrix_agrees_with_numpy(shape: tuple[int, ...]) -> None:
+    """A stacked ``a`` (contiguous, or transposed: its rows do not merge) times a matrix
+    runs as one 2-d product where the rows merge as a view; either way matmul's numbers."""
+    rng = np.random.default_rng(0)
+    *lead, k, n = shape
+    a = rng.standard_normal((*lead, k))
+    b = rng.standard_normal((k, n))
+    got = (fs.tensor(a) @ fs.tensor(b)).numpy()
+    np.testing.assert_allclose(got, a @ b, rtol=1e-12, atol=1e-12)
+    at = np.ascontiguousarray(np.swapaxes(a, 0, 1))  # (lead1, lead0, k)
+    got_t = (fs.tensor(at).transpose((1, 0, 2)) @ fs.tensor(b)).numpy()
+    np.testing.assert_allclose(got_t, a @ b, rtol=1e-12, atol=1e-12)

@@ -6,7 +6,9 @@ such as the optimiser's, is one *segment*; the outputs ``fn`` returns are realis
 its end, the last one) and where each leaf a plan reads comes from:
 
 - an **argument**: a Tensor among ``args`` (nested in tuples, lists and dicts), read from
-  the argument of each call;
+  the argument of each call. A donated argument (``Tensor.donate``, part of the
+  signature) is given to the plan that reads it, as uncompiled: a replay may write its
+  buffer in place and leaves the caller's tensor spent;
 - an **output** of an earlier segment of the same call;
 - **carried state**: a value an earlier call produced (a Parameter's new value, an
   optimiser's moments, its master weights), found because the node read is the one that
@@ -55,7 +57,7 @@ import numpy as np
 from fuelspmd.backend import to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
-from fuelspmd.graph.node import TRACE, Node, leaf
+from fuelspmd.graph.node import TRACE, Node, consume, leaf
 from fuelspmd.graph.plan import Start
 from fuelspmd.tensor import Tensor, realize
 
@@ -197,11 +199,12 @@ class _Recorder:
             "computation in tensors, or give the Python to fs.host (run on every call); "
             "a gradient clip by a host norm or a loss scaler cannot be compiled yet")
 
-    def ran(self, plan: Any, feeds: list[Node], outs: list[Node], donated: list[int]) -> None:
-        if donated:
+    def ran(self, plan: Any, feeds: list[Node], outs: list[Node], donated: list[Node]
+            ) -> None:
+        if any(id(n) not in self.args for n in donated):
             raise ConfigError("fs.compile: a tensor donated inside a compiled function "
-                              "(Tensor.donate) has no value after the trace; donate only "
-                              "in uncompiled code")
+                              "(Tensor.donate) has no value after the trace; donate an "
+                              "argument before the call, or donate only in uncompiled code")
         srcs = [self.source(n) for n in feeds]
         k = len(self.segments)
         for j, n in enumerate(outs):
@@ -328,6 +331,9 @@ class _Replay:
             results.append(run_values(plan, vals))
         for cell, (s, k) in zip(cells, self.cell_keys):
             cell.buffer = results[s][k]  # type: ignore[union-attr]
+        for t in tensors:  # the plans were made for these leaves donated: they are spent
+            if t.node.donated:
+                consume(t.node)
         flat: list[Any] = []
         for (kind, a, b), dev in zip(self.outputs, self.devices):
             if kind == ARG:
@@ -344,7 +350,7 @@ def _key(x: Any, tensors: list[Tensor]) -> Any:
     """The signature of ``x`` (Tensors collected into ``tensors``, in order)."""
     if isinstance(x, Tensor):
         tensors.append(x)
-        return ("T", x.shape, x.dtype, x.device)
+        return ("T", x.shape, x.dtype, x.device, x.node.donated)
     if isinstance(x, (tuple, list)):
         return (type(x).__name__, tuple(_key(v, tensors) for v in x))
     if isinstance(x, dict):
@@ -364,7 +370,7 @@ def _show(key: Any) -> str:
     def one(k: Any) -> str:
         tag = k[0]
         if tag == "T":
-            return f"{k[1]} {k[2]} {k[3]}"
+            return f"{k[1]} {k[2]} {k[3]}" + (" donated" if k[4] else "")
         if tag == "V":
             return repr(k[1])
         if tag == "dict":

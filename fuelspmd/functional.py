@@ -40,6 +40,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "rope_tables",
+    "rotate",
     "silu",
     "smoothed_nll",
     "softmax",
@@ -257,5 +258,12 @@ def rope(x: Tensor, positions: Any, *, base: float = 10000.0) -> Tensor:
     dt = to_numpy(x.dtype)
     c = tensor(cos.reshape(shape).astype(dt), device=x.device)
     s = tensor(sin.reshape(shape).astype(dt), device=x.device)
-    half = d // 2
-    return x * c + concat([-x[..., half:], x[..., :half]], -1) * s
+    return rotate(x, c, s)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding of ``x`` (batch, seq, heads, d) from tables that broadcast to it
+    (:func:`rope_tables`): x·cos + rotate_half(x)·sin. Tables given as tensors let a
+    compiled step take them as arguments."""
+    half = x.shape[-1] // 2
+    return x * cos + concat([-x[..., half:], x[..., :half]], -1) * sin

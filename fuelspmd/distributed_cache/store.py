@@ -50,7 +50,7 @@ from fuelspmd.distributed_cache.manager import BlockCopy
 from fuelspmd.dtypes import DType, int64, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import CacheUsageError, ConfigError, ShapeError
-from fuelspmd.functional import softmax
+from fuelspmd.functional import rope_tables, softmax
 from fuelspmd.graph import build as B
 from fuelspmd.tensor import Tensor, realize, tensor
 
@@ -123,6 +123,30 @@ class PagedKVStore:
         stale = [r for src, r in self._reads if id(src) not in now and r.node.buffer is None]
         self._reads.clear()
         return [*self._k, *self._v, *stale]
+
+    def state(self) -> list[Tensor]:
+        """The page tensors (keys of each layer, then values), realised (pending writes run
+        first) and donated: the arguments of a step that writes them in place, compiled
+        (``fs.compile`` replays it on them), which gives them back through :meth:`load`."""
+        if self._reads or any(p.node.buffer is None for p in (*self._k, *self._v)):
+            self.realize()
+        pages = [*self._k, *self._v]
+        if self._inplace:
+            for p in pages:
+                p.donate()
+        self._roots.clear()
+        return pages
+
+    def load(self, pages: Sequence[Tensor]) -> None:
+        """Make ``pages`` (keys of each layer, then values, as :meth:`state` gives them)
+        the store's pages; a write into one writes it in place if it is donated."""
+        n = self.num_layers
+        if len(pages) != 2 * n:
+            raise ConfigError(f"PagedKVStore.load: {len(pages)} page tensors for {n} layers; "
+                              f"give {2 * n} (keys of each layer, then values)")
+        self._k, self._v = list(pages[:n]), list(pages[n:])
+        self._roots.clear()
+        self._reads.clear()
 
     def realize(self) -> None:
         """Run every pending write and read (one graph)."""
@@ -204,27 +228,55 @@ class PagedKVStore:
             raise ShapeError(f"PagedKVStore.attend: q {q.shape}, k {k.shape}, v {v.shape}: k "
                              f"and v must be {want} and q (batch, t, a multiple of {kv}, "
                              f"{self.head_dim})")
-        ix = self._index(tables, starts, b, t)
-        self._write(layer, ix.new, k, v)
-        g, length = h // kv, ix.length
-        keys, values = self._read(layer, ix.read)
+        return self._attend(layer, q, k, v, self.index(tables, starts, t), scale)
+
+    def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ix: dict[str, Tensor],
+                scale: float | None) -> Tensor:
+        b, t, h, d = q.shape
+        kv = self.kv_heads
+        if ix["new"].shape != (b, t):
+            raise ShapeError(f"PagedKVStore.attend: an index for new tokens {ix['new'].shape} "
+                             f"and q {q.shape}; build the index for ({b}, {t})")
+        self._write(layer, ix["new"], k, v)
+        g, length = h // kv, ix["read"].shape[1]
+        keys, values = self._read(layer, ix["read"])
         # query head j = (kv head j // g, its j % g-th query): (b, kv, g·t, d), rows (g, t)
         qg = (q.reshape(b, kv, g, d) if t == 1 else  # one token: the transpose is a reshape
               q.reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d))
         scores = (qg @ keys.transpose(0, 2, 3, 1)) * (
             1.0 / math.sqrt(d) if scale is None else scale)  # (b, kv, g·t, L)
         if t == 1:  # the mask (b, 1, 1, L) broadcasts over the g rows
-            ctx = softmax(scores + ix.mask, -1) @ values.transpose(0, 2, 1, 3)
+            ctx = softmax(scores + ix["mask"], -1) @ values.transpose(0, 2, 1, 3)
             return ctx.reshape(b, 1, h, d)
-        p = softmax(scores.reshape(b, kv, g, t, length) + ix.mask, -1)
+        p = softmax(scores.reshape(b, kv, g, t, length) + ix["mask"], -1)
         ctx = p.reshape(b, kv, g * t, length) @ values.transpose(0, 2, 1, 3)  # (b, kv, g·t, d)
         return ctx.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
-    def view(self, layer: int, *, tables: Sequence[Sequence[int]], starts: Sequence[int]
+    def view(self, layer: int, *, tables: Sequence[Sequence[int]] | None = None,
+             starts: Sequence[int] | None = None, index: dict[str, Tensor] | None = None
              ) -> LayerStep:
-        """One layer's cache for one step (what ``ParallelAttention(x, cache=...)`` takes)."""
+        """One layer's cache for one step (what ``ParallelAttention(x, cache=...)`` takes):
+        from the step's ``tables`` and ``starts``, or from its ``index`` (:meth:`index`,
+        made before a compiled step and passed to it)."""
         self._layer(layer)
-        return LayerStep(self, layer, tables, starts)
+        if (index is None) == (tables is None or starts is None):
+            raise ConfigError("PagedKVStore.view: give tables= and starts=, or index=")
+        return LayerStep(self, layer, tables, starts, index)
+
+    def index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], t: int, *,
+              rotary: tuple[int, float] | None = None) -> dict[str, Tensor]:
+        """A step's host-built index tensors, shared by every layer: ``new`` (b, t) the new
+        tokens' slots, ``read`` (b, L) each sequence's cached slots, ``mask``, ``positions``
+        (b, t) int64 and, with ``rotary=(dim, base)``, ``cos`` and ``sin`` (b, t, 1, dim)
+        in the store's dtype (see :class:`_Index`). Everything that changes per step is in
+        these tensors, so a step that takes them as arguments can be compiled."""
+        key = (t, tuple(int(x) for x in starts), tuple(tuple(tb) for tb in tables))
+        if self._last is None or self._last[0] != key:
+            self._last = (key, _Index(self, key[2], key[1], t))
+        ix = self._last[1]
+        if rotary is not None and ix.rotary != rotary:
+            ix.add_rotary(rotary)
+        return ix.tensors
 
     # ---- helpers ----------------------------------------------------------------------
     def _layer(self, layer: int) -> None:
@@ -253,16 +305,6 @@ class PagedKVStore:
         return Tensor(graph.make("put", (pages.node, slots.node,
                                          B.astype(values.node, self.dtype)), (0,)))
 
-    def _index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], b: int,
-               t: int) -> _Index:
-        """The step's host-built index tensors, made once and shared by every layer."""
-        if len(tables) != b or len(starts) != b:
-            raise ShapeError(f"PagedKVStore.attend: {len(tables)} tables and {len(starts)} "
-                             f"starts for a batch of {b}; give one of each per sequence")
-        key = (t, tuple(int(x) for x in starts), tuple(tuple(tb) for tb in tables))
-        if self._last is None or self._last[0] != key:
-            self._last = (key, _Index(self, key[2], key[1], t))
-        return self._last[1]
 
 
 class _Index:
@@ -270,11 +312,14 @@ class _Index:
     every cached slot of each sequence padded to ``L = block_size · bucket(blocks)`` with
     slot 0, ``mask`` (b, 1, 1, t, L), (b, 1, 1, L) when t = 1: 0 where query j of
     sequence i may read key p (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys
-    and the padding)."""
+    and the padding); ``positions`` (b, t) and the rotary ``cos``, ``sin``."""
 
     def __init__(self, store: PagedKVStore, tables: tuple[tuple[int, ...], ...],
                  starts: tuple[int, ...], t: int) -> None:
         bs, b = store.block_size, len(tables)
+        if len(starts) != b:
+            raise ShapeError(f"PagedKVStore.attend: {b} tables and {len(starts)} starts; "
+                             "give one of each per sequence")
         ends = np.asarray(starts, dtype=np.int64) + t
         blocks = [len(tb) for tb in tables]
         width = bucket(-(-int(ends.max()) // bs))
@@ -299,25 +344,53 @@ class _Index:
         dt, dev = to_numpy(store.dtype), store.device
         mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(
             (b, 1, 1, length) if t == 1 else (b, 1, 1, t, length))
-        self.new = tensor(new, device=dev, dtype=int64)
-        self.read = tensor(read, device=dev, dtype=int64)
-        self.mask = tensor(mask, device=dev, dtype=store.dtype)
+        self.tensors = {"new": tensor(new, device=dev, dtype=int64),
+                        "read": tensor(read, device=dev, dtype=int64),
+                        "mask": tensor(mask, device=dev, dtype=store.dtype),
+                        "positions": tensor(query, device=dev, dtype=int64)}
+        self.query, self.store = query, store
+        self.rotary: tuple[int, float] | None = None
+
+    def add_rotary(self, rotary: tuple[int, float]) -> None:
+        """Add (or replace) ``cos`` and ``sin`` for ``rotary = (dim, base)``."""
+        cos, sin = rope_tables(self.query, rotary[0], base=rotary[1])
+        dt, st = to_numpy(self.store.dtype), self.store
+        for name, tab in (("cos", cos), ("sin", sin)):
+            self.tensors[name] = tensor(tab[:, :, None].astype(dt), device=st.device,
+                                        dtype=st.dtype)
+        self.rotary = rotary
 
 
 class LayerStep:
     """A store's layer at one step: the positions of the step's tokens and attention over
     the cached keys, for an attention layer that knows nothing of pages."""
 
-    def __init__(self, store: PagedKVStore, layer: int, tables: Sequence[Sequence[int]],
-                 starts: Sequence[int]) -> None:
-        self.store, self.layer = store, layer
-        self.tables, self.starts = [list(t) for t in tables], [int(s) for s in starts]
+    def __init__(self, store: PagedKVStore, layer: int,
+                 tables: Sequence[Sequence[int]] | None, starts: Sequence[int] | None,
+                 index: dict[str, Tensor] | None) -> None:
+        self.store, self.layer, self._given = store, layer, index
+        self.tables = None if tables is None else [list(t) for t in tables]
+        self.starts = None if starts is None else [int(s) for s in starts]
 
-    def positions(self, t: int) -> np.ndarray:
-        """(batch, t): sequence i's new tokens sit at ``starts[i] .. starts[i] + t - 1``."""
-        return np.asarray(self.starts)[:, None] + np.arange(t)[None, :]
+    def index(self, t: int, rotary: tuple[int, float] | None = None) -> dict[str, Tensor]:
+        """The step's index tensors (:meth:`PagedKVStore.index`) for ``t`` new tokens."""
+        if self._given is not None:
+            ix = self._given
+            if ix["new"].shape[1] != t or (rotary is not None and "cos" not in ix):
+                raise ConfigError(f"LayerStep: the step's index was made for "
+                                  f"{ix['new'].shape[1]} new tokens"
+                                  f"{'' if 'cos' in ix else ' without rotary tables'}; the "
+                                  f"layer has {t}: make it with PagedKVStore.index(..., {t}"
+                                  f"{'' if rotary is None else ', rotary=(dim, base)'})")
+            return ix
+        assert self.tables is not None and self.starts is not None
+        return self.store.index(self.tables, self.starts, t, rotary=rotary)
+
+    def rotary(self, t: int, dim: int, base: float) -> tuple[Tensor, Tensor]:
+        """cos and sin (batch, t, 1, dim) at the new tokens' positions."""
+        ix = self.index(t, (dim, base))
+        return ix["cos"], ix["sin"]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None
                ) -> Tensor:
-        return self.store.attend(self.layer, q, k, v, tables=self.tables, starts=self.starts,
-                                 scale=scale)
+        return self.store._attend(self.layer, q, k, v, self.index(q.shape[1]), scale)

@@ -216,7 +216,8 @@ class Executor:
         rec = TRACE.recorder
         if rec is not None:  # a compiled step is being traced: report the plan and its nodes
             rec.ran(plan, [bound[s] for s, _ in binding.feeds],
-                    targets + [bound[s] for s in binding.effects], binding.donated)
+                    targets + [bound[s] for s in binding.effects],
+                    [bound[s] for s in binding.donated])
         self.execute(plan, vals)
         for s in binding.donated:
             consume(bound[s])
@@ -296,7 +297,7 @@ def recording(recorder: Any) -> Any:
 
     While one is set, every realise reports ``recorder.ran(plan, feeds, outputs, donated)``
     (the leaf nodes it read in ``binding.feeds`` order, the nodes it realised: targets then
-    effectful nodes, and the binding's donated slots) before it runs, and every leaf made
+    effectful nodes, and the donated leaves it reads) before it runs, and every leaf made
     reports ``recorder.made(node)``: what ``fs.compile`` needs to replay the step."""
     previous = TRACE.recorder
     TRACE.recorder = recorder

@@ -38,6 +38,7 @@ import numpy as np
 
 from fuelspmd.backend import Device
 from fuelspmd.comm import Communicator
+from fuelspmd.compile import compile
 from fuelspmd.dtypes import DType, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError
@@ -96,17 +97,14 @@ class Source:
 @dataclass
 class PagedStep:
     """One forward step through a :class:`~fuelspmd.distributed_cache.PagedKVStore`: the
-    block table and first new position of each sequence of the batch."""
+    step's index tensors (:meth:`~fuelspmd.distributed_cache.PagedKVStore.index`: slots,
+    masks, positions, rotary tables), every per-step value as a tensor."""
 
     store: Any
-    tables: list[list[int]]
-    starts: list[int]
+    index: dict[str, Tensor]
 
     def view(self, layer: int) -> Any:
-        return self.store.view(layer, tables=self.tables, starts=self.starts)
-
-    def positions(self, t: int) -> np.ndarray:
-        return np.asarray(self.starts)[:, None] + np.arange(t)[None, :]
+        return self.store.view(layer, index=self.index)
 
 
 def _solo(device: Device | str | None) -> Communicator:
@@ -167,6 +165,8 @@ class Decoder(Module):
         tpc, ppc, group, dp_coord = _comms(comm, mesh, device)
         check_layout(type(self).__name__, a, tpc.size, ppc.size)
         self.config, self.arch = config, a
+        self._decode: Any = None  # the compiled decode step, made at the first
+        self._store: Any = None
         self.comm, self.pp_comm, self.group, self.dp_coord = tpc, ppc, group, dp_coord
         self.dtype = as_dtype(dtype)
         dev = tpc.device if device is None else device
@@ -213,8 +213,8 @@ class Decoder(Module):
             t = ids.shape[1]
             h = self.embed(ids)
             if self.arch.rope_theta is None:
-                pos = np.arange(t) if kv is None else kv.positions(t)
-                h = h + self.pos(tensor(pos.astype(np.int64), device=ids.device))
+                h = h + self.pos(tensor(np.arange(t), device=ids.device) if kv is None else
+                                 kv.index["positions"])
         for key, block in self.blocks.items():
             h = block(h, cache=None if kv is None else kv.view(int(key)))
         if self.last:
@@ -237,9 +237,33 @@ class Decoder(Module):
              store: Any) -> Tensor:
         """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``, the tokens
         at positions ``starts[i]..`` of each sequence, keys and values through ``store``."""
-        b = tokens.shape[0]
-        out = self(tokens, kv=PagedStep(store, tables, starts), last_token=True)
-        return out.reshape(b, self.arch.vocab)
+        t = tokens.shape[1]
+        a = self.arch
+        rotary = None if a.rope_theta is None else (self.kv_layout()[2], a.rope_theta)
+        index = store.index(tables, starts, t, rotary=rotary)
+        ids = tensor(np.asarray(tokens, dtype=np.int64), device=self.comm.device)
+        if self._decode is None:
+            self._decode = compile(self._paged)
+        # a decode step (t = 1) repeats its shapes within a bucket: replayed; a prefill's
+        # shapes rarely repeat, so it runs uncompiled (the same function)
+        run = self._decode if t == 1 else self._paged
+        self._store = store  # read while tracing only: every call passes its pages
+        try:
+            logits, pages = run(ids, index, store.state())
+        finally:
+            self._store = None
+        store.load(pages)
+        return logits
+
+    def _paged(self, ids: Tensor, index: dict[str, Tensor], pages: list[Tensor]
+               ) -> tuple[Tensor, list[Tensor]]:
+        """The logits ``(batch, vocab)`` at the last of ``ids`` and the pages written: the
+        step as a function of tensors only, so that it compiles (its Python, the store's
+        included, runs when tracing only; the cache's bookkeeping stays in the caller)."""
+        store = self._store
+        store.load(pages)
+        out = self(ids, kv=PagedStep(store, index), last_token=True)
+        return out.reshape(ids.shape[0], self.arch.vocab), store.tensors()
 
     def generate(self, prompts: list[list[int]], new_tokens: int, **kw: Any) -> list[list[int]]:
         """Greedy tokens of every prompt through a paged KV cache

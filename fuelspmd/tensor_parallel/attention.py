@@ -30,7 +30,7 @@ from fuelspmd.backend import Device
 from fuelspmd.dtypes import DType, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
-from fuelspmd.functional import rope, softmax
+from fuelspmd.functional import rope, rotate, softmax
 from fuelspmd.nn import Linear, Module, weight_source
 from fuelspmd.tensor import Tensor, tensor
 
@@ -51,8 +51,8 @@ class KVCache(Protocol):
     """What :meth:`ParallelAttention.forward` needs of a KV cache for one layer and step
     (:meth:`fuelspmd.distributed_cache.PagedKVStore.view` gives one)."""
 
-    def positions(self, t: int) -> np.ndarray:
-        """The (batch, t) positions of the step's new tokens."""
+    def rotary(self, t: int, dim: int, base: float) -> tuple[Tensor, Tensor]:
+        """cos and sin ``(batch, t, 1, dim)`` of the step's new tokens' positions."""
         ...
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
@@ -172,9 +172,10 @@ class ParallelAttention(Module):
         q = self.q.local(xc).reshape(b, t, h, d)
         k, v = (self._kv(m, xc).reshape(b, t, self.local_kv_heads, d)
                 for m in (self.k, self.v))
-        if cache is not None:
-            positions = cache.positions(t)
-        if self.rope_base is not None:
+        if self.rope_base is not None and cache is not None:
+            cos, sin = cache.rotary(t, d, self.rope_base)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        elif self.rope_base is not None:
             pos = np.arange(t) if positions is None else positions
             q, k = (rope(y, pos, base=self.rope_base) for y in (q, k))
         ctx = (cache.attend(q, k, v, scale=self.scale) if cache is not None else

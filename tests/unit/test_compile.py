@@ -176,6 +176,32 @@ def test_a_collective_built_before_a_replay_is_issued_first() -> None:
             group.run(program, [compiled] * 2)
 
 
+def test_a_donated_argument_is_written_in_place_and_spent() -> None:
+    """A donated argument is given to the plan, which writes it in place (``put``) on the
+    trace and on every replay; the caller's tensor is spent, an undonated call a new
+    signature."""
+    def write(pages: fs.Tensor, slots: fs.Tensor, rows: fs.Tensor) -> fs.Tensor:
+        return fs.Tensor(fs.graph.make("put", (pages.node, slots.node, rows.node), (0,)))
+
+    step = fs.compile(write)
+    pages = fs.tensor(np.zeros((8, 2), np.float32))
+    for i in range(4):
+        before = pages
+        buf = before.node.buffer
+        pages = step(pages.donate(), fs.tensor(np.array([i], np.int64)),
+                     fs.tensor(np.full((1, 2), i + 1, np.float32)))
+        assert pages.node.buffer is buf  # written in place, no copy of the pages
+        with pytest.raises(ConfigError, match="donated"):
+            before.numpy()
+    assert (step.traces, step.replays) == (2, 2)
+    want = np.zeros((8, 2), np.float32)
+    want[:4] = np.arange(1, 5)[:, None]
+    np.testing.assert_array_equal(pages.numpy(), want)
+    kept = step(pages, fs.tensor(np.array([5], np.int64)), fs.tensor(np.ones((1, 2), np.float32)))
+    assert step.traces == 3 and kept.node.buffer is not pages.node.buffer
+    np.testing.assert_array_equal(pages.numpy(), want)  # undonated: left as it was
+
+
 def test_a_compiled_function_inside_another_is_part_of_its_trace() -> None:
     def run(compiled: bool) -> list[float]:
         w, opt, x, y = _linear()

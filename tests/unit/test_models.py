@@ -88,6 +88,7 @@ def test_greedy_tokens_equal_transformers_generate(hf: dict, name: str) -> None:
     model = models.from_pretrained(path, dtype="float64")
     out = models.greedy(model, ps, n, block_size=4)
     assert out.tokens == want
+    assert model._decode.replays > 0  # the decode steps ran compiled
     assert out.prefill_tokens_computed == len(ps[0]) + len(ps[1]) - 4  # one shared block
     for p, toks in zip(ps, want):  # the comparison is meaningful: no near-tie is decided
         logits = model([p + toks[:-1]]).numpy()[0, len(p) - 1:]

@@ -28,8 +28,8 @@ decode steps of a bucket reusing its plan. ``tokens_equal``: the tokens
 agree with transformers' (float32: a near tie may flip).
 
 Pool sizes: the decode step time at pools of 1x, 4x and 16x the blocks the requests need,
-each as ``(t(new_tokens) - t(1)) / (new_tokens - 1)`` of two greedy calls, interleaved in
-an order reversed every round;
+each the median of a greedy call's ``Generation.decode_step_s``, interleaved in an order
+reversed every round;
 ``pool_ratio`` = the 16x step time over the 1x one (paired by round, median).
 """
 
@@ -223,12 +223,9 @@ def _pools(gen: _Greedy, args: argparse.Namespace, fence: Callable[[], object]
     def step_time(factor: int) -> Callable[[], float]:
         def once() -> float:
             fence()
-            short = gen(1, need * factor)
-            long = gen(args.new_tokens, need * factor)
+            steps = gen(args.new_tokens, need * factor).decode_step_s
             fence()
-            t_short = args.requests / short.tokens_per_s
-            t_long = args.requests * args.new_tokens / long.tokens_per_s
-            return (t_long - t_short) / (args.new_tokens - 1)
+            return median(steps)  # the first steps of a bucket trace its plan: not the median
         return once
 
     cand = {f"{f}x": step_time(f) for f in POOLS}

@@ -65,6 +65,7 @@ class Generation:
     order: ``first_token_s``, the time from the start to its first token (``ttft_s`` is
     their mean), and ``first_token_work``, the tokens every step had computed by then (what
     that time would be in proportion to, were a step's cost its token count).
+    ``decode_step_s``: the seconds of each decode step, its tokens read back included.
     """
 
     tokens: list[list[int]]
@@ -79,6 +80,7 @@ class Generation:
     recomputed_tokens: int
     first_token_s: list[float]
     first_token_work: list[int]
+    decode_step_s: list[float]
 
 
 def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
@@ -118,6 +120,7 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
     ttft_work: list[int] = []
     new_prompts = list(range(len(prompts)))[::-1]  # popped from the end: prompt 0 first
     t0 = time.perf_counter()
+    steps: list[float] = []
 
     def run(seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[int]:
         nonlocal peak, work
@@ -194,8 +197,10 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
                                    f"blocks ({len(manager.preempted())} preempted, "
                                    f"{len(new_prompts)} prompts waiting)")
             continue
+        t1 = time.perf_counter()
         nexts = run(seqs, [out[q][-1:] for q in seqs],
                     [manager.num_tokens(q) - 1 for q in seqs])
+        steps.append(time.perf_counter() - t1)
         for q, tok in zip(seqs, nexts):
             finish(q, tok)
         coord.step()
@@ -207,4 +212,4 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
                       blocks_used=peak, blocks_total=stats.num_blocks, copies=stats.copies,
                       ttft_s=float(np.mean(ttft)), tokens_per_s=total * new_tokens / elapsed,
                       preemptions=stats.preemptions, recomputed_tokens=recomputed,
-                      first_token_s=ttft, first_token_work=ttft_work)
+                      first_token_s=ttft, first_token_work=ttft_work, decode_step_s=steps)

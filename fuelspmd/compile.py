@@ -145,7 +145,7 @@ class Compiled:
                 "compute it with fs.host), or the code takes another branch per call; run "
                 "the function uncompiled")
         else:
-            entry.last = cap
+            entry.last = cap.released()
         return out
 
 
@@ -183,7 +183,7 @@ class _Recorder:
         self.made_nodes: list[Node] = []  # alive while tracing, so ids are not reused
         self.outs: dict[int, tuple[int, int]] = {}
         self.segments: list[_Segment] = []
-        self.prev = {} if last is None else last.out_ids
+        self.prev = {} if last is None else last.prev_outs
         self.outputs: list[tuple[Any, ...]] = []
         self.devices: list[Any] = []
 
@@ -221,8 +221,8 @@ class _Recorder:
         if id(n) in self.made_ids:
             return (CONST, n)
         o = self.prev.get(id(n))
-        if o is not None:
-            return (CARRY, *o)
+        if o is not None and o[2]() is n:
+            return (CARRY, o[0], o[1])
         return (HELD, n)
 
     def capture(self, tree: Any) -> _Capture:
@@ -236,6 +236,17 @@ class _Capture:
                  devices: list[Any], tree: Any, out_ids: dict[int, tuple[int, int]]) -> None:
         self.segments, self.outputs, self.devices = segments, outputs, devices
         self.tree, self.out_ids = tree, out_ids
+        self.prev_outs: dict[int, tuple[int, int, Any]] = {}
+
+    def released(self) -> _Capture:
+        """This capture kept only to compare the next call with: its outputs held weakly
+        (``prev_outs``: id -> segment, index, weak reference), so a trace that is never
+        replayed keeps no value it made alive (a decode step's written pages, say)."""
+        self.prev_outs = {i: (k, j, weakref.ref(self.segments[k].outs[j]))
+                          for i, (k, j) in self.out_ids.items()}
+        for seg in self.segments:
+            seg.outs = []
+        return self
 
     def same(self, other: _Capture, name: str) -> bool:
         """Whether this call ran what ``other`` (the call before) ran; a constant that

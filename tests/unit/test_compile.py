@@ -3,7 +3,9 @@ steps' losses bit for bit, replays build no graph, and what cannot be replayed r
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +91,25 @@ def test_a_new_shape_traces_again_and_matches() -> None:
         out += [float(step(x, y).numpy()) for _ in range(2)]
         return out
     assert run(True) == run(False)
+
+
+def test_a_trace_never_replayed_keeps_no_value_it_made_alive() -> None:
+    """The last trace of a signature is kept to compare the next call with, but what it
+    made is the caller's: dropped by the caller, it is freed (a decode bucket of one step
+    would otherwise hold that step's pages)."""
+    double = fs.compile(lambda x: x * 2.0)
+    y = double(fs.tensor(np.ones(1024)))
+    gone = weakref.ref(y.node)
+    del y
+    gc.collect()
+    assert gone() is None
+    w, opt, x, t = _linear()  # and carried state is still found through the weak record
+    step = fs.compile(_sgd_step(w, opt))
+    losses = [float(step(x, t).numpy()) for _ in range(6)]
+    assert (step.traces, step.replays) == (3, 3)  # the first call makes the state
+    w2, opt2, _, _ = _linear()
+    plain = _sgd_step(w2, opt2)
+    assert losses == [float(plain(x, t).numpy()) for _ in range(6)]
 
 
 def test_retrace_false_names_both_signatures() -> None:

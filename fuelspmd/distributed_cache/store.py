@@ -22,9 +22,12 @@ step is one graph: projections, page writes, gathers, attention and the TP all_r
 * **copy** carries out the manager's copy-on-write :class:`BlockCopy` instructions
   (a gather of the source slots written into the destination slots), before new tokens
   are written.
-* **attend** reads only the step's sequences' blocks, batched: each block table padded to
-  :func:`bucket` (a power of two) of blocks, the padding masked, so every step whose
-  longest sequence falls in one bucket has the same graph and reuses its plan.
+* **attend** reads only the step's sequences' blocks, batched: at a decode step (one new
+  token each) each block table is padded to :func:`bucket` (a power of two) of blocks, the
+  padding masked, so every decode step whose longest sequence falls in one bucket has the
+  same graph and reuses its plan. A prefill step reads its longest sequence's blocks
+  unpadded: its token count makes it a shape of its own anyway, and padding would make
+  its t x L attention up to twice the work.
 
 The store replaces its page tensors with the new lazy ones after each write; realise
 :meth:`tensors` with the step's outputs (``fs.realize(logits, *store.tensors())``), all of
@@ -217,7 +220,8 @@ class PagedKVStore:
         Each query at position p attends to the sequence's keys at positions 0..p, read
         through ``tables[i]``: ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by
         default), M = ``MASKED`` past p and on the padding to ``L = block_size ·
-        bucket(blocks of the longest sequence)`` keys. The g query heads of a key/value
+        blocks`` keys (``bucket(blocks)`` when t = 1), blocks those of the longest
+        sequence. The g query heads of a key/value
         head are one matrix ``(g·t, d)`` against its keys ``(L, d)``: the keys are never
         repeated per query head. Returns ``[batch, t, heads, head_dim]``.
         """
@@ -309,10 +313,11 @@ class PagedKVStore:
 
 class _Index:
     """One step's slots as tensors: ``new`` (b, t) the new tokens' slots, ``read`` (b, L)
-    every cached slot of each sequence padded to ``L = block_size · bucket(blocks)`` with
-    slot 0, ``mask`` (b, 1, 1, t, L), (b, 1, 1, L) when t = 1: 0 where query j of
-    sequence i may read key p (``p <= starts[i] + j``), ``MASKED`` elsewhere (later keys
-    and the padding); ``positions`` (b, t) and the rotary ``cos``, ``sin``."""
+    every cached slot of each sequence padded with slot 0 to ``L = block_size · blocks``
+    (``bucket(blocks)`` at a decode step, t = 1), ``mask`` (b, 1, 1, t, L), (b, 1, 1, L)
+    when t = 1: 0 where query j of sequence i may read key p (``p <= starts[i] + j``),
+    ``MASKED`` elsewhere (later keys and the padding); ``positions`` (b, t) and the rotary
+    ``cos``, ``sin``."""
 
     def __init__(self, store: PagedKVStore, tables: tuple[tuple[int, ...], ...],
                  starts: tuple[int, ...], t: int) -> None:
@@ -322,7 +327,8 @@ class _Index:
                              "give one of each per sequence")
         ends = np.asarray(starts, dtype=np.int64) + t
         blocks = [len(tb) for tb in tables]
-        width = bucket(-(-int(ends.max()) // bs))
+        longest = -(-int(ends.max()) // bs)
+        width = bucket(longest) if t == 1 else longest
         for i, (tb, n) in enumerate(zip(tables, ends)):
             if n > len(tb) * bs or min(starts[i], *tb) < 0 or max(tb, default=0) >= \
                     store.num_blocks:

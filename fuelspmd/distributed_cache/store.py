@@ -221,9 +221,9 @@ class PagedKVStore:
         through ``tables[i]``: ``softmax(scale · q K^T + M) V`` (scale 1/sqrt(head_dim) by
         default), M = ``MASKED`` past p and on the padding to ``L = block_size ·
         blocks`` keys (``bucket(blocks)`` when t = 1), blocks those of the longest
-        sequence. The g query heads of a key/value
-        head are one matrix ``(g·t, d)`` against its keys ``(L, d)``: the keys are never
-        repeated per query head. Returns ``[batch, t, heads, head_dim]``.
+        sequence. The g query heads of a key/value head are one matrix ``(g·t, d)``
+        against its keys ``(L, d)``: the keys are never repeated per query head. Returns
+        ``[batch, t, heads, head_dim]``.
         """
         b, t, h, d = q.shape
         kv = self.kv_heads

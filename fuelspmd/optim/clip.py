@@ -105,8 +105,9 @@ def clip_grad_norm(params: Sequence[Parameter], grads: Sequence[Tensor], max_nor
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ConfigError(f"clip_grad_norm: max_norm={max_norm!r} must be a number > 0")
     device = params[0].device if params else None
-    rep, sharded = squares(((g, spread_over(p, mesh)) for p, g in zip(params, grads)
-                            if not p.spec.mirror), device, [spread_over(p, mesh) for p in params])
+    spreads = [spread_over(p, mesh) for p in params]
+    rep, sharded = squares(((g, c) for p, g, c in zip(params, grads, spreads)
+                            if not p.spec.mirror), device, spreads)
     norm = global_norm(rep, sharded, mesh=mesh)
     return clip_by(grads, max_norm, norm), norm
 

@@ -68,8 +68,8 @@ COLLECTIVES = tuple(ALGORITHMS)
 # layer above switches them on, so a default prediction (and the calibration fit, which
 # models what the transport runs by default) must not assume them.
 OPT_IN: dict[str, tuple[str, ...]] = {"all_reduce": ("shm",)}
-# Python and bookkeeping of one shared-memory all-reduce beyond its two phase syncs
-# (fuelspmd bench shm, 2 ranks, 2-core machine: about 0.1 ms at 64 KiB)
+# Python and bookkeeping of one shared-memory all-reduce beyond its two phase syncs, with
+# a core per rank (``fuelspmd bench shm`` at 64 KiB, where the copies are small)
 SHM_CALL_OVERHEAD_S = 1e-4
 
 # A step algorithm: per step, the pairs exchanging at once, bytes each way, whether they reduce.
@@ -406,54 +406,37 @@ class CostModel:
         each rank writes its reduced ``N/n`` once and copies ``(n-1)/n N`` out, ``N`` of
         copies, at twice the fabric's bandwidth (an MPI byte sent through shared memory is
         copied twice, into the shared queue and out); the fold of ``(n-1)/n N`` bytes costs
-        what the ring's does. An input the caller keeps in its own buffer is copied in
-        first, ``(n-1)/n N`` more (which can cost the whole lead over MPI at 1 MiB); the
-        graph places every all_reduce input and bucket it can, so the plan prices the
-        placed path.
+        what the ring's does. The overhead is the ranks' own CPU work, so ranks that
+        outnumber the cores stretch it as they stretch the copies (``Node.crowding``).
+        An input the caller keeps in its own buffer is copied in first, ``(n-1)/n N``
+        more; the graph places every all_reduce input and bucket it can, so the plan
+        prices the placed path.
         """
         n = len(g)
         node = self.topology.nodes[self.topology.node_index(g[0])]
         slow, late = node.crowding(n * concurrent)
         alpha = late if late is not None else node.fabric.latency
-        latency = 2 * math.ceil(math.log2(n)) * alpha + SHM_CALL_OVERHEAD_S
+        latency = 2 * math.ceil(math.log2(n)) * alpha + SHM_CALL_OVERHEAD_S * slow
         transfer = nbytes * slow / (2 * node.fabric.bandwidth)
         reduce = (n - 1) / n * nbytes * self._gamma(g, concurrent)
         return Estimate("shm", latency, transfer, reduce,
                         f"memory copies at {2 * node.fabric.bandwidth / slow / 1e9:.1f} GB/s")
 
-    def shm_cache_gated(self, group: Sequence[int]) -> bool:
-        """Whether the last-level-cache condition of :meth:`shm_min_bytes` holds for the
-        shm all-reduce of ``group``: when its ranks outnumber the node's cores (or the
-        cores are not known). With a core per rank the transport runs large all-reduces
-        pipelined through small slots that stay in cache and the lazy graph places inputs
-        in the window, so the alpha-beta terms alone decide; oversubscribed ranks run the
-        whole-size path, whose working set (the window as well as the buffers) leaves the
-        cache where MPI's does not (``fuelspmd bench shm``; docs/performance.md)."""
-        node = self.topology.nodes[self.topology.node_index(group[0])]
-        return node.cores is None or len(group) > node.cores
-
-    def shm_min_bytes(self, group: Sequence[int], *, llc_bytes: int, concurrent: int = 1,
+    def shm_min_bytes(self, group: Sequence[int], *, concurrent: int = 1,
                       largest: int = 1 << 34) -> int | None:
-        """The smallest power-of-two all-reduce size at which to switch the shm path on.
+        """The smallest power-of-two all-reduce size at which to switch the shm path on:
+        where the alpha-beta estimate of shm first beats every default algorithm.
 
         The MPI transport's ``set_all_reduce_policy(algorithm="shm", min_bytes=...)`` takes
         it; None when shm never wins up to ``largest`` (or the group is not one CPU node).
-        Two conditions, both measured (``fuelspmd bench shm``, docs/topology.md): the
-        alpha-beta estimate of shm beats every default algorithm, and the ring's working
-        set, ``n * N``, exceeds the node's last-level cache ``llc_bytes``. Below that, MPI's
-        copies stay in cache while shm's (twice the footprint: the shared window as well)
-        do not, and the ring beats its calibrated bandwidth, which no alpha-beta term
-        says.
         """
         members = self._group("all_reduce", group)
         if "shm" not in self.algorithms("all_reduce", members, opt_in=True):
             return None
-        gate = llc_bytes if self.shm_cache_gated(members) else 0
         nbytes = 1
         while nbytes <= largest:
-            if len(members) * nbytes > gate and self.best_algorithm(
-                    "all_reduce", nbytes, members, concurrent=concurrent,
-                    opt_in=True).algorithm == "shm":
+            if self.best_algorithm("all_reduce", nbytes, members, concurrent=concurrent,
+                                   opt_in=True).algorithm == "shm":
                 return nbytes
             nbytes *= 2
         return None

@@ -13,12 +13,8 @@ Transport algorithms and how the model prices them:
 - ``mpi``: the MPI library's own all-reduce, priced as the fastest of the model's default
   algorithms (ring, halving_doubling, doubling) on the group: what MPICH picks by size.
 - ``shm``: the shared-memory path of ``fuelspmd_mpi`` (a group on one CPU node), priced by
-  :meth:`CostModel.estimate` with ``algorithm="shm"``, and chosen only where the ring's
-  working set (``n * N``) exceeds the last-level cache when the ranks outnumber the
-  cores: below that MPI's copies stay in cache and beat shm's whole-size path, which no
-  alpha-beta term says (:meth:`CostModel.shm_min_bytes`, :meth:`CostModel.shm_cache_gated`).
-  With a core per rank the pipelined path and the graph's placement in the window win
-  from the alpha-beta crossover.
+  :meth:`CostModel.estimate` with ``algorithm="shm"`` (:meth:`CostModel.shm_min_bytes`:
+  where it first beats MPI's own).
 - ``hierarchical``: intra-node reduce-scatter, inter-node all-reduce per rail, intra-node
   all-gather over split communicators (a group on >= 2 nodes with the same number of its
   ranks on each).
@@ -32,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fuelspmd.cost.calibration import calibrated_model, load_calibration
@@ -40,7 +35,7 @@ from fuelspmd.cost.collectives import CostModel, format_bytes, format_seconds
 from fuelspmd.errors import ConfigError
 from fuelspmd.topology import Topology, WorldLike, detect
 
-__all__ = ["TRANSPORT_ALGORITHMS", "AllReducePlan", "Band", "all_reduce_planner", "llc_bytes",
+__all__ = ["TRANSPORT_ALGORITHMS", "AllReducePlan", "Band", "all_reduce_planner",
            "plan_all_reduce", "planner_for"]
 
 TRANSPORT_ALGORITHMS = ("mpi", "shm", "hierarchical")
@@ -77,23 +72,7 @@ class AllReducePlan:
                 "nodes": list(self.nodes)}
 
 
-def llc_bytes() -> int | None:
-    """This machine's last-level cache in bytes (Linux sysfs), or None when unknown."""
-    best = None
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            text = (index / "size").read_text().strip().upper()
-        except (OSError, ValueError):
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        size = int(text.rstrip("KMG")) * unit
-        if best is None or level >= best[0]:
-            best = (level, size)
-    return None if best is None else best[1]
-
-
-def _candidates(model: CostModel, nbytes: float, group: list[int], llc: int | None,
+def _candidates(model: CostModel, nbytes: float, group: list[int],
                 shm: bool) -> dict[str, tuple[float, str]]:
     """Predicted seconds and a short note per transport algorithm that applies."""
     out: dict[str, tuple[float, str]] = {}
@@ -106,21 +85,15 @@ def _candidates(model: CostModel, nbytes: float, group: list[int], llc: int | No
         out["hierarchical"] = (e.seconds, f"hierarchical ({e.bound})")
     if shm and "shm" in model.algorithms("all_reduce", group, opt_in=True):
         e = model.estimate("all_reduce", nbytes, group, algorithm="shm")
-        if llc is None or len(group) * nbytes > llc or not model.shm_cache_gated(group):
-            out["shm"] = (e.seconds, "shared memory")
-        else:
-            out["shm (in cache)"] = (e.seconds, f"shared memory, not used: the ring's "
-                                     f"{format_bytes(len(group) * nbytes)} fit the "
-                                     f"{format_bytes(llc)} last-level cache")
+        out["shm"] = (e.seconds, "shared memory")
     return out
 
 
-def plan_all_reduce(model: CostModel, group: Sequence[int], *, llc: int | None = None,
-                    shm: bool = True, largest: int = 1 << 34) -> AllReducePlan:
+def plan_all_reduce(model: CostModel, group: Sequence[int], *, shm: bool = True,
+                    largest: int = 1 << 34) -> AllReducePlan:
     """The all-reduce plan of ``group`` (device indices of ``model``'s topology).
 
-    ``llc``: the last-level cache in bytes that gates the shm path (None: no gate);
-    ``shm=False`` leaves it out (the transport's shared windows cost memory).
+    ``shm=False`` leaves the shm path out (the transport's shared windows cost memory).
     """
     members = sorted(group)
     if len(set(members)) != len(members) or not members:
@@ -136,7 +109,7 @@ def plan_all_reduce(model: CostModel, group: Sequence[int], *, llc: int | None =
     picks: list[tuple[int, str, str]] = []
     size = 8
     while size <= largest:
-        cands = _candidates(model, size, members, llc, shm)
+        cands = _candidates(model, size, members, shm)
         usable = {k: v for k, v in cands.items() if k in TRANSPORT_ALGORITHMS}
         algo = min(usable, key=lambda k: usable[k][0])
         t = usable[algo][0]
@@ -163,21 +136,21 @@ def plan_all_reduce(model: CostModel, group: Sequence[int], *, llc: int | None =
     return AllReducePlan(tuple(bands), nodes)
 
 
-def all_reduce_planner(model: CostModel, *, llc: int | None = None, shm: bool = True
+def all_reduce_planner(model: CostModel, *, shm: bool = True
                        ) -> Callable[[Sequence[int]], dict[str, Any]]:
     """A planner for ``MPITransport.set_all_reduce_policy(algorithm="auto", planner=...)``:
     world ranks of a group -> :meth:`AllReducePlan.as_data` (device ``r`` of the model's
     topology is world rank ``r``, as :func:`fuelspmd.topology.detect` numbers them)."""
     def planner(world_ranks: Sequence[int]) -> dict[str, Any]:
-        return plan_all_reduce(model, world_ranks, llc=llc, shm=shm).as_data()
+        return plan_all_reduce(model, world_ranks, shm=shm).as_data()
     return planner
 
 
 def planner_for(world: WorldLike, *, calibration: Any = None,
                 topology: Topology | None = None) -> Callable[[Sequence[int]], dict[str, Any]]:
     """The planner of a running job: its detected (or the given) topology, this machine's
-    calibration (``load_calibration()`` unless given) and last-level cache. Hand it to
+    calibration (``load_calibration()`` unless given). Hand it to
     ``world.transport.set_all_reduce_policy(algorithm="auto", planner=...)``."""
     cal = load_calibration() if calibration is None else calibration
     topo = topology if topology is not None else detect(world, calibration=cal)
-    return all_reduce_planner(calibrated_model(topo, cal), llc=llc_bytes())
+    return all_reduce_planner(calibrated_model(topo, cal))

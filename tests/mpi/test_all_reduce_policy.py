@@ -62,12 +62,10 @@ def reference(size: int, count: int, dt: str) -> np.ndarray:
 def test_the_transport_runs_the_plan(t: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from mpi4py import MPI
 
-    monkeypatch.delenv("FUELSPMD_ALL_REDUCE", raising=False)
     model = declared(t.size)
-    # llc=0: no cache gate, so the shm path is planned from small sizes on one node
-    assert t.set_all_reduce_policy(algorithm="auto", planner=all_reduce_planner(model, llc=0),
+    assert t.set_all_reduce_policy(algorithm="auto", planner=all_reduce_planner(model),
                                    cap_bytes=64 << 20) == "auto"
-    plan = plan_all_reduce(model, range(t.size), llc=0)
+    plan = plan_all_reduce(model, range(t.size))
     hier_calls = []
     if t._hier is not None:  # count the real path's calls (it still runs)
         real = t._hier.all_reduce
@@ -119,13 +117,12 @@ def test_manual_hierarchical_and_what_cannot_apply(t: Any) -> None:
 
 
 def test_a_split_plans_its_own_group(t: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FUELSPMD_ALL_REDUCE", raising=False)
     model = CostModel(Topology.uniform(nodes=1, devices_per_node=t.size,
                                        fabric=Link("shm", 3e9, 5e-6), reduce_bandwidth=3e9))
-    t.set_all_reduce_policy(algorithm="auto", planner=all_reduce_planner(model, llc=0))
+    t.set_all_reduce_policy(algorithm="auto", planner=all_reduce_planner(model))
     sub = t.split(t.rank % 2, t.rank)
     try:
-        want = plan_all_reduce(model, sub.world_ranks, llc=0).choose(1 << 20).algorithm
+        want = plan_all_reduce(model, sub.world_ranks).choose(1 << 20).algorithm
         assert sub.all_reduce_algorithm(1 << 20) == (want if sub.size > 1 else "mpi")
         x = inputs(t.rank, 1 << 17, "int64")
         sub.all_reduce(x, "sum").wait()

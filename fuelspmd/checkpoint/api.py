@@ -121,7 +121,7 @@ class SaveHandle:
 
 def failed(tmp: Path) -> None:
     """Raise CheckpointError if a rank left a ``failed-<rank>`` note in ``tmp``."""
-    for note in sorted(tmp.glob("failed-*")) if tmp.is_dir() else []:
+    for note in sorted(p for p in files.listing(tmp) if p.name.startswith("failed-")):
         raise CheckpointError(f"checkpoint.save: rank {note.name[7:]} failed to write its "
                               f"shard ({note.read_text()}); the previous checkpoint is intact")
 

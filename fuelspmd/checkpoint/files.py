@@ -143,12 +143,20 @@ def committed(path: Path) -> bool:
     return (path / INDEX).is_file()
 
 
+def listing(path: Path) -> list[Path]:
+    """The entries of directory ``path``; none when it is not one. Asked, not looked at
+    first: another rank may rename or remove it between two looks (a commit renames the
+    save's temporary directory while the other ranks poll it)."""
+    try:
+        return list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _aside(path: Path) -> list[Path]:
     """``path``'s siblings named ``<name>.old-*`` (moved aside) and ``.tmp-*`` (unfinished)."""
-    if not path.parent.is_dir():
-        return []
     pat = re.compile(rf"{re.escape(path.name)}\.(old|tmp)-\w+")
-    return [p for p in path.parent.iterdir() if pat.fullmatch(p.name)]
+    return [p for p in listing(path.parent) if pat.fullmatch(p.name)]
 
 
 def find(path: Path) -> Path:
@@ -161,9 +169,9 @@ def find(path: Path) -> Path:
     if old:
         return max(old, key=_created)
     found = sorted(p.name for p in _aside(path))
-    what = (f"{path} has no {INDEX}: its save never committed (files there: "
-            f"{sorted(q.name for q in path.iterdir())[:6]})" if path.is_dir() else
-            f"no checkpoint at {path}")
+    there = sorted(q.name for q in listing(path))
+    what = (f"{path} has no {INDEX}: its save never committed (files there: {there[:6]})"
+            if there or path.is_dir() else f"no checkpoint at {path}")
     raise CheckpointIncompleteError(
         what + (f"; uncommitted saves beside it: {found}" if found else "")
         + ". Load the last committed checkpoint (checkpoint.latest(run_dir) finds it)")
@@ -181,8 +189,7 @@ def _created(path: Path) -> int:
 
 def _checkpoints(run: Path) -> list[Path]:
     """The committed checkpoints of ours directly in ``run``, newest first."""
-    found = [p for p in run.iterdir() if p.is_dir() and not _TEMP.search(p.name)
-             and _created(p) >= 0]
+    found = [p for p in listing(run) if not _TEMP.search(p.name) and _created(p) >= 0]
     return sorted(found, key=_created, reverse=True)
 
 
@@ -205,8 +212,8 @@ def check_target(path: Path) -> None:
     save moves what is there aside and deletes it."""
     if not path.exists() or _created(path) >= 0:
         return
-    other = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
-    other = [n for n in other if not _OURS.fullmatch(n)] if path.is_dir() else other
+    other = ([n for n in sorted(p.name for p in listing(path)) if not _OURS.fullmatch(n)]
+             if path.is_dir() else [path.name])
     if other:
         raise CheckpointError(f"checkpoint.save: {path} exists and is not a checkpoint (it "
                               f"holds {other[:4]}); a save would replace it. Choose another "
@@ -247,8 +254,6 @@ def latest(run: Path) -> Path | None:
             return run / name
     except (OSError, ValueError, KeyError):
         pass
-    if not run.is_dir():
-        return None
     found = _checkpoints(run)
     return found[0] if found else None
 

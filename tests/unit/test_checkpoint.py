@@ -319,3 +319,31 @@ def test_a_rank_that_fails_to_write_ends_the_save_on_every_rank_at_once(
     assert re.match(r"CheckpointError: checkpoint.save: rank 1 failed to write its shard "
                     r"\(OSError: disk full\)", got[0])
     assert cp.load_state(_comm(), path, 1) == (1, 84)
+
+
+def test_a_rank_polling_while_the_commit_renames_the_directory_sees_no_error(
+        tmp_path: Path) -> None:
+    """The ranks that wait for a commit poll the save's temporary directory for a failed
+    rank's note while rank 0 renames it into place: a directory that goes between two looks
+    is one with no note, never an error (a save that succeeded raised on a waiting rank)."""
+    import threading
+
+    from fuelspmd.checkpoint.api import failed
+
+    a, b = tmp_path / "ck.tmp-1", tmp_path / "ck"
+    a.mkdir()
+    stop = threading.Event()
+
+    def commit_again_and_again() -> None:
+        while not stop.is_set():
+            os.replace(a, b)
+            os.replace(b, a)
+
+    mover = threading.Thread(target=commit_again_and_again)
+    mover.start()
+    try:
+        for _ in range(20000):
+            failed(a)
+    finally:
+        stop.set()
+        mover.join()

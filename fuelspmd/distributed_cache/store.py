@@ -325,31 +325,31 @@ class _Index:
         if len(starts) != b:
             raise ShapeError(f"PagedKVStore.attend: {b} tables and {len(starts)} starts; "
                              "give one of each per sequence")
-        ends = np.asarray(starts, dtype=np.int64) + t
-        blocks = [len(tb) for tb in tables]
-        longest = -(-int(ends.max()) // bs)
+        lens = [len(tb) for tb in tables]
+        ends = [s + t for s in starts]
+        longest = -(-max(ends) // bs)
+        width = max(bucket(longest) if t == 1 else longest, *lens)
+        padded = np.array([tb + (0,) * (width - n) for tb, n in zip(tables, lens)],
+                          dtype=np.int64).reshape(b, width)
+        if (min(starts) < 0 or any(e > n * bs for e, n in zip(ends, lens))
+                or padded.min(initial=0) < 0 or padded.max(initial=0) >= store.num_blocks):
+            for tb, s0, e in zip(tables, starts, ends):
+                store.slots(tb, s0, e)  # raises the error that names it
         width = bucket(longest) if t == 1 else longest
-        for i, (tb, n) in enumerate(zip(tables, ends)):
-            if n > len(tb) * bs or min(starts[i], *tb) < 0 or max(tb, default=0) >= \
-                    store.num_blocks:
-                store.slots(tb, starts[i], int(n))  # raises the error that names it
-        padded = np.zeros((b, max(width, *blocks)), dtype=np.int64)
-        for i, tb in enumerate(tables):
-            padded[i, :len(tb)] = tb
         self.length = length = width * bs
-        pos = np.arange(length, dtype=np.int64)
-        read = padded[:, pos // bs] * bs + pos % bs
+        # slot of key p of sequence i: its block table's entry p // bs, at offset p % bs
+        read = (padded[:, :width, None] * bs + np.arange(bs)).reshape(b, length)
         query = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(t)  # (b, t)
-        new = np.take_along_axis(read, query, 1)  # (b, t)
-        if np.unique(new).size != new.size:
+        new = read[np.arange(b)[:, None], query]  # (b, t)
+        if len(set(new.ravel().tolist())) != new.size:
             raise RuntimeError(f"PagedKVStore.attend: the step writes slots {new.tolist()}, "
                                "one twice; a block table never holds a block twice and "
                                "no two sequences write one block")
-        ok = pos[None, None, :] <= query[:, :, None]  # (b, t, L)
-        read = np.where(pos[None, :] < ends[:, None], read, 0)
+        pos = np.arange(length, dtype=np.int64)
+        read[pos >= np.asarray(ends, dtype=np.int64)[:, None]] = 0
         dt, dev = to_numpy(store.dtype), store.device
-        mask = np.where(ok, 0.0, MASKED).astype(dt).reshape(
-            (b, 1, 1, length) if t == 1 else (b, 1, 1, t, length))
+        mask = np.where(pos <= query[:, :, None], dt.type(0), dt.type(MASKED)).reshape(
+            (b, 1, 1, length) if t == 1 else (b, 1, 1, t, length))  # (b, t, L) as below
         self.tensors = {"new": tensor(new, device=dev, dtype=int64),
                         "read": tensor(read, device=dev, dtype=int64),
                         "mask": tensor(mask, device=dev, dtype=store.dtype),

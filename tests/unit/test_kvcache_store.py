@@ -303,3 +303,40 @@ def test_coordinator_rejects_bad_configuration() -> None:
         KVCacheCoordinator(KVCacheManager(4, BS), comm=comm, every=0)
     with pytest.raises(ConfigError, match="mode='boss'"):
         KVCacheCoordinator(KVCacheManager(4, BS), comm=comm, mode="boss")  # type: ignore[arg-type]
+
+
+def test_a_step_index_is_each_key_slot_through_its_block_table() -> None:
+    """Every entry of a step's index, computed key by key from the block tables: the new
+    tokens' slots, the slots read (padding and later keys read slot 0), the additive mask
+    (0 where query j of sequence i may read key p: p <= start + j) and the positions; at a
+    decode step the keys pad to the power-of-two bucket of blocks."""
+    from fuelspmd.distributed_cache.store import MASKED
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        nb = int(rng.integers(6, 40))
+        store = PagedKVStore(num_layers=1, num_blocks=nb, block_size=BS, kv_heads=H,
+                             head_dim=D, dtype="float64")
+        t = int(rng.choice([1, 1, 2, 5]))
+        free = rng.permutation(nb).tolist()
+        tables, starts = [], []
+        for _ in range(int(rng.integers(1, 4))):
+            n = int(rng.integers(-(-t // BS), 4))
+            tb, free = free[:n], free[n:]
+            if len(tb) < n:
+                break
+            tables.append(tb)
+            starts.append(int(rng.integers(0, n * BS - t + 1)))
+        if not tables:
+            continue
+        ix = {k: v.numpy() for k, v in store.index(tables, starts, t).items()}
+        blocks = max(-(-(s + t) // BS) for s in starts)
+        keys = (bucket(blocks) if t == 1 else blocks) * BS
+        for i, (tb, s) in enumerate(zip(tables, starts)):
+            slot = [tb[p // BS] * BS + p % BS for p in range(len(tb) * BS)]
+            assert ix["new"][i].tolist() == slot[s:s + t]
+            assert ix["positions"][i].tolist() == list(range(s, s + t))
+            assert ix["read"][i].tolist() == [slot[p] if p < s + t else 0 for p in range(keys)]
+            mask = ix["mask"][i].reshape(t, keys)
+            for j in range(t):
+                assert mask[j].tolist() == [0.0 if p <= s + j else MASKED for p in range(keys)]

@@ -129,7 +129,7 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
                             tables=[manager.block_table(q) for q in seqs], store=store)
         realize(logits, *store.tensors())
         peak = max(peak, manager.pool.num_in_use)
-        return [int(np.argmax(row)) for row in logits.numpy()]
+        return logits.numpy().argmax(axis=1).tolist()
 
     def finish(q: int, token: int) -> None:
         out[q].append(token)

@@ -104,6 +104,8 @@ def _const_value(ir: list[Instr], i: int) -> Any:
 def _simplify(ir: list[Instr], ins: Instr) -> int | Instr | None:
     """Algebraic rules: an index to use instead, a rewritten instr, or None (no rule)."""
     name, x = ins.op.name, ins.ins[0] if ins.ins else -1
+    if name == "detach":  # only autograd, which works on the nodes, tells it from its input
+        return x
     if name in ("reshape", "broadcast_to") and ir[x].shape == ins.shape:
         return x
     if name == "reshape" and ir[x].op.name == "reshape":

@@ -31,12 +31,12 @@ cosine, the gradient clipped by its global norm over the mesh (``--clip``); 16-b
 dynamically (a step with an inf or nan is skipped on every rank). The summary gives rank
 0's peak bytes of saved activations, of the graph's working set and of optimiser state.
 
-The step (forward, backward, clip, scaler, AdamW) is one function compiled by
-``fs.compile``: traced on its first calls, then replayed without building a graph. Every
+The step (forward, backward, the pipeline's transfers, clip, scaler, AdamW) is one
+function compiled by ``fs.compile``: traced on its first calls, then replayed without
+building a graph. Every
 number that changes per step stays in tensors for that (the clip coefficient, the loss
 scale and its skip decision, the learning rate through ``fs.host``, the dropout masks keyed
 by the step when they are made), so ``--no-compile`` gives the same losses bit for bit.
-With pp > 1 the step runs uncompiled (the pipeline posts its transfers outside the graph).
 
 The task, generated in code: arithmetic sequences ``x_t = (s + k t) mod V`` with a random
 start ``s`` and stride ``k`` in ``1..K`` per sequence. The model sees ``x_0 .. x_{T-1}`` and
@@ -302,9 +302,7 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     out["ideal_bubble"] = simulate(sched, 1.0, 2.0).bubble
     out["floor"] = loss_floor(cfg)
     bar = Progress(args.steps) if world.rank == 0 else None
-    # a pipeline's transfers are posted outside the graph (Communicator.post), which a
-    # compiled replay would not repeat: pp > 1 runs uncompiled
-    compiled = not args.no_compile and pp_ == 1
+    compiled = not args.no_compile
     fs.rank_print(world, f"mesh dp={dp_} pp={pp_} tp={tp_} ({world.size} ranks on "
                   f"{world.device.kind}), schedule {args.schedule} x{chunks}, "
                   f"{args.microbatches} micro-batches of {args.batch}, {cfg.layers} layers, "
@@ -324,9 +322,9 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             grads[tied[0]] = tied[1].all_reduce(grads[tied[0]])
         loss = res.loss
         finite = None
-        if scaler is not None:
-            loss = loss / scaler.factor
+        if scaler is not None:  # unscale first: it places the scale on a stage with no loss
             grads, finite = scaler.unscale(grads, comm=world)
+            loss = loss / scaler.factor
         if isinstance(opt, optim.ZeRO1):
             norm = opt.step(grads, reduced=True, max_norm=args.clip, mesh=mesh, apply=finite)
         else:

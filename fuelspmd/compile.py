@@ -19,7 +19,12 @@ its end, the last one) and where each leaf a plan reads comes from:
   read from that node at each call;
 - a **constant** of the trace: a leaf made inside ``fn`` (``fs.tensor(np.arange(n))``),
   baked in. If two traces give it different values, ``fn`` made per-call data inside
-  itself, and compiling raises ConfigError instead of baking it.
+  itself, and compiling raises ConfigError instead of baking it;
+- a **posted** transfer: a send or receive issued ahead of any plan
+  (``Communicator.post``, as the pipeline posts its messages). The trace records where
+  among the plans each was started and each was waited for, its op, attributes and
+  data; a replay starts and waits for it again at those points, through the transport
+  and its guard, and a receive's value is what that replay received.
 
 When two consecutive calls of one signature ran the same plans from the same sources,
 the step is captured (the first call usually differs: an optimiser makes its state
@@ -54,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd.backend import to_host
+from fuelspmd.backend import get_backend, to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
 from fuelspmd.graph.node import TRACE, Node, consume, leaf
@@ -63,7 +68,8 @@ from fuelspmd.tensor import Tensor, realize
 
 __all__ = ["Compiled", "compile"]
 
-ARG, OUT, CARRY, HELD, CONST = range(5)  # where a leaf a plan reads comes from
+ARG, OUT, CARRY, HELD, CONST, POSTED = range(6)  # where a leaf a plan reads comes from
+START, WAIT = range(2)  # a posted transfer's events: (before segment, START | WAIT, post)
 TRACES = 5  # traces of one signature without two alike: the step cannot be captured
 
 
@@ -186,6 +192,33 @@ class _Recorder:
         self.prev = {} if last is None else last.prev_outs
         self.outputs: list[tuple[Any, ...]] = []
         self.devices: list[Any] = []
+        self.posts: list[tuple[Any, Any, list[tuple[Any, ...]]]] = []  # op, attrs, data
+        self.post_ids: dict[int, int] = {}
+        self.events: list[tuple[int, int, int]] = []
+        self.alias: dict[int, tuple[Any, ...]] = {}  # a filled placeholder: its value's source
+
+    def posted(self, node: Node, data: tuple[Node, ...]) -> None:
+        """``node`` (a send or receive, its op and attributes still on it) is started on
+        the buffers of ``data`` ahead of any plan (``graph.node.post``)."""
+        k = self.post_ids[id(node)] = len(self.posts)
+        self.made_nodes.append(node)  # alive while tracing, so its id is not reused
+        self.posts.append((node.op, node.attrs, [self.source(n) for n in data]))
+        self.events.append((len(self.segments), START, k))
+
+    def finished(self, node: Node) -> None:
+        """Posted ``node`` is waited for (``graph.node.finish``): before the next plan."""
+        k = self.post_ids.get(id(node))
+        if k is None:
+            raise ConfigError(
+                "fs.compile: the function waited for a transfer posted before it was "
+                "called (Communicator.post); a replay would not post it again. Post "
+                "inside the function, or finish the transfer (Communicator.flush) before "
+                "the call")
+        self.events.append((len(self.segments), WAIT, k))
+
+    def filled(self, node: Node, value: Node) -> None:
+        """Placeholder ``node`` now holds ``value``'s buffer (``graph.node.fill``)."""
+        self.alias[id(node)] = self.source(value)
 
     def made(self, node: Node) -> None:
         self.made_ids.add(id(node))
@@ -215,6 +248,12 @@ class _Recorder:
         i = self.args.get(id(n))
         if i is not None:
             return (ARG, i)
+        i = self.post_ids.get(id(n))
+        if i is not None:
+            return (POSTED, i)
+        a = self.alias.get(id(n))
+        if a is not None:
+            return a
         o = self.outs.get(id(n))
         if o is not None:
             return (OUT, *o)
@@ -226,7 +265,9 @@ class _Recorder:
         return (HELD, n)
 
     def capture(self, tree: Any) -> _Capture:
-        return _Capture(self.segments, self.outputs, self.devices, tree, self.outs)
+        cap = _Capture(self.segments, self.outputs, self.devices, tree, self.outs)
+        cap.posts, cap.events = self.posts, self.events
+        return cap
 
 
 class _Capture:
@@ -237,6 +278,8 @@ class _Capture:
         self.segments, self.outputs, self.devices = segments, outputs, devices
         self.tree, self.out_ids = tree, out_ids
         self.prev_outs: dict[int, tuple[int, int, Any]] = {}
+        self.posts: list[tuple[Any, Any, list[tuple[Any, ...]]]] = []
+        self.events: list[tuple[int, int, int]] = []
 
     def released(self) -> _Capture:
         """This capture kept only to compare the next call with: its outputs held weakly
@@ -252,10 +295,15 @@ class _Capture:
         """Whether this call ran what ``other`` (the call before) ran; a constant that
         differs between two such calls raises ConfigError (per-call data made in fn)."""
         if (len(self.segments) != len(other.segments) or self.tree != other.tree
-                or any(s.plan is not t.plan for s, t in zip(self.segments, other.segments))):
+                or any(s.plan is not t.plan for s, t in zip(self.segments, other.segments))
+                or self.events != other.events or len(self.posts) != len(other.posts)
+                or any(a[0] is not b[0] or len(a[2]) != len(b[2])
+                       or (a[1] is not b[1] and a[1] != b[1])
+                       for a, b in zip(self.posts, other.posts))):
             return False
         pairs = [(a, b) for s, t in zip(self.segments, other.segments)
                  for a, b in zip(s.srcs, t.srcs)]
+        pairs += [(a, b) for p, q in zip(self.posts, other.posts) for a, b in zip(p[2], q[2])]
         pairs += list(zip(self.outputs, other.outputs))
         consts = []
         for a, b in pairs:
@@ -297,6 +345,8 @@ class _Replay:
             if kind == HELD:
                 held.append(src[1])
                 return HELD, len(held) - 1, 0
+            if kind == POSTED:
+                return POSTED, src[1], 0
             return CONST, src[1].buffer, 0
 
         streams: dict[int, list[Any]] = {}  # per stream: [replay hook, attrs, count]
@@ -310,6 +360,13 @@ class _Replay:
                                               [op.replay, step.instr.attrs, 0])
                     hook[2] += len(step.members)
         self.streams = [tuple(h) for h in streams.values()]
+        # the posted transfers: (op, attrs, backend, data sources), and per segment (one
+        # more: after the last) the starts and waits that came before it, in trace order
+        self.posts = [(op, attrs, get_backend(attrs.comm.device.kind),
+                       [compiled(src) for src in data]) for op, attrs, data in cap.posts]
+        self.events: list[list[tuple[int, int]]] = [[] for _ in range(len(cap.segments) + 1)]
+        for at, what, k in cap.events:
+            self.events[at].append((what, k))
         self.outputs = [compiled(src) for src in cap.outputs]
         self.devices = cap.devices
         order = sorted(cells, key=cells.__getitem__)
@@ -333,13 +390,21 @@ class _Replay:
         held_bufs = [n.buffer for n in held]  # type: ignore[union-attr]
         run_values = run_values or default_executor().run_values
         results: list[list[Any]] = []
-        for plan, feeds in self.segments:
+        pending: list[Any] = [None] * len(self.posts)
+        got: list[Any] = [None] * len(self.posts)
+
+        def value(kind: int, a: Any, b: int) -> Any:
+            return (args[a] if kind == ARG else results[a][b] if kind == OUT else
+                    cell_bufs[a] if kind == CARRY else held_bufs[a] if kind == HELD else
+                    got[a] if kind == POSTED else a)
+
+        for s, (plan, feeds) in enumerate(self.segments):
+            self._transfers(s, value, pending, got)
             vals: list[Any] = [None] * plan.n_values
             for v, kind, a, b in feeds:
-                vals[v] = (args[a] if kind == ARG else results[a][b] if kind == OUT else
-                           cell_bufs[a] if kind == CARRY else held_bufs[a] if kind == HELD
-                           else a)
+                vals[v] = value(kind, a, b)
             results.append(run_values(plan, vals))
+        self._transfers(len(self.segments), value, pending, got)
         for cell, (s, k) in zip(cells, self.cell_keys):
             cell.buffer = results[s][k]  # type: ignore[union-attr]
         for t in tensors:  # the plans were made for these leaves donated: they are spent
@@ -350,10 +415,20 @@ class _Replay:
             if kind == ARG:
                 flat.append(tensors[a])
                 continue
-            buf = (results[a][b] if kind == OUT else cell_bufs[a] if kind == CARRY
-                   else held_bufs[a] if kind == HELD else a)
-            flat.append(Tensor(leaf(buf, dev)))
+            flat.append(Tensor(leaf(value(kind, a, b), dev)))
         return _unflatten(self.tree, iter(flat))
+
+    def _transfers(self, s: int, value: Callable[[int, Any, int], Any], pending: list[Any],
+                   got: list[Any]) -> None:
+        """Start and wait for the posted transfers the trace met before segment ``s``
+        (counted as built on their communicator first, as a replayed collective is)."""
+        for what, k in self.events[s]:
+            op, attrs, be, data = self.posts[k]
+            if what == START:
+                op.replay(attrs, 1)
+                pending[k] = op.start(be, attrs, *(value(*src) for src in data))
+            else:
+                got[k] = pending[k].finish()
 
 
 # ---- arguments and outputs -------------------------------------------------------------

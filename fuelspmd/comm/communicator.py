@@ -195,7 +195,7 @@ class Communicator:
             # the data, and earlier collectives not issued yet (a posted one is)
             realize(*(Tensor(x) for x in node.inputs if x.op.kind != "posted"))
             pending = node.op.start(be, node.attrs, *(x.buffer for x in data))
-            post(node, pending)
+            post(node, pending, data)
             self._posted.append(node)
             if self._tail is node:
                 self._tail = None

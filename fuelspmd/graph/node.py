@@ -21,8 +21,8 @@ from fuelspmd.errors import ConfigError, DeviceError
 
 from .op import Attrs, Fill, Op, get_op
 
-__all__ = ["TRACE", "Node", "array_dtype", "canonical", "check_live", "const", "consume", "finish",
-           "leaf", "make", "mark_realised", "post"]
+__all__ = ["TRACE", "Node", "array_dtype", "canonical", "check_live", "const", "consume", "fill",
+           "finish", "leaf", "make", "mark_realised", "post"]
 
 
 class _Trace(threading.local):
@@ -121,18 +121,36 @@ def mark_realised(node: Node, buffer: Any) -> None:
     node.inputs = ()
 
 
-def post(node: Node, pending: Any) -> None:
+def post(node: Node, pending: Any, data: tuple[Node, ...] = ()) -> None:
     """Mark effectful ``node`` as issued ahead of any realise: ``pending.finish()`` gives
     its value, which :func:`finish` collects when a realise first needs it (its order
-    tokens are dropped: it is issued)."""
+    tokens are dropped: it is issued). ``data``: the nodes whose buffers it was started
+    with, which a compiled step's trace records (op, attributes and data) to issue it
+    again on every replay."""
+    rec = TRACE.recorder
+    if rec is not None:
+        rec.posted(node, data)
     node.op, node.attrs, node.inputs = get_op("posted"), pending, ()
 
 
 def finish(node: Node) -> None:
     """Wait for a posted node (see :func:`post`) and make it a realised leaf."""
+    rec = TRACE.recorder
+    if rec is not None:
+        rec.finished(node)
     value = node.attrs.finish()
     node.op, node.attrs = get_op("leaf"), ()
     mark_realised(node, value)
+
+
+def fill(node: Node, value: Node) -> None:
+    """Give placeholder leaf ``node`` the buffer of realised ``value``: a value that
+    arrives after the graph that reads it was built (the pipeline's cotangents). A
+    compiled step's trace reads ``node`` as ``value`` from then on."""
+    rec = TRACE.recorder
+    if rec is not None:
+        rec.filled(node, value)
+    node.buffer = value.buffer
 
 
 def consume(node: Node) -> None:

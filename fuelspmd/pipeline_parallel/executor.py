@@ -68,6 +68,7 @@ from fuelspmd.dtypes import DType, Shape, float64
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.graph import default_executor
+from fuelspmd.graph.executor import recording
 from fuelspmd.nn import DropoutRNG, Module, Parameter
 from fuelspmd.pipeline_parallel.actions import Message, Schedule
 from fuelspmd.pipeline_parallel.buckets import DP_BUCKET_BYTES, check_bucket_bytes
@@ -175,7 +176,16 @@ class PipelineExecutor:
     # ---- shapes -----------------------------------------------------------------------
     def _discover(self, x0: Tensor | None) -> list[tuple[Shape, DType] | None]:
         """Pass (shape, dtype) of each virtual stage's input along the pipeline, building
-        each stage lazily on a constant (shape rules only, nothing runs)."""
+        each stage lazily on a constant (shape rules only, nothing runs). Once per
+        executor, at its first step, and untraced when that step is a compiled step's
+        first call: what it leaves is Python state (the shapes), which no replay redoes."""
+        previous = recording(None)
+        try:
+            return self._pass_shapes(x0)
+        finally:
+            recording(previous)
+
+    def _pass_shapes(self, x0: Tensor | None) -> list[tuple[Shape, DType] | None]:
         s, rank, p2p = self.schedule, self.comm.rank, self._p2p
         V, base = s.virtual_stages, 2 * s.virtual_stages * s.microbatches
         io: list[tuple[Shape, DType] | None] = [None] * (V + 1)

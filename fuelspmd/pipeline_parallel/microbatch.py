@@ -16,7 +16,7 @@ from typing import Any
 from fuelspmd.autograd import grad, vjp
 from fuelspmd.backend import get_backend
 from fuelspmd.errors import ConfigError, ShapeError
-from fuelspmd.graph.node import Node, leaf
+from fuelspmd.graph.node import Node, fill, leaf
 from fuelspmd.pipeline_parallel.actions import Action, Schedule
 from fuelspmd.tensor import Tensor, realize
 
@@ -189,7 +189,7 @@ class StepRun:
         if sv.grads is not None:
             if sv.ct is not None:
                 assert g is not None
-                sv.ct.buffer = g.realize().node.buffer
+                fill(sv.ct, g.realize().node)
                 sv.ct = None
             return
         y = self._call(chunk, i, sv.x)

@@ -306,3 +306,44 @@ def test_a_float16_step_skipped_by_the_loss_scaler_replays_as_uncompiled() -> No
     assert got == want and [f for _, f, _ in got].count(False) == 1
     assert [s for s, _, _ in got][4:7] == [2.0 ** 12, 2.0 ** 11, 2.0 ** 11]  # backed off once
     np.testing.assert_array_equal(gp, wp)
+
+
+def test_posted_transfers_are_posted_again_on_every_replay() -> None:
+    """A send and a receive posted inside the function (Communicator.post, as the pipeline
+    posts its messages): every replay sends the new value and computes with what it
+    received, as uncompiled; none is baked in as a constant of the trace."""
+    def program(comm: Communicator) -> list[float]:
+        peer = 1 - comm.rank
+
+        def step(x: fs.Tensor) -> fs.Tensor:
+            sent = comm.send(x * 2.0, peer, tag=7)
+            comm.post(sent)  # a DeviceGroup's receive waits at its post: send first
+            got = comm.recv((3,), "float32", peer, tag=7)
+            comm.post(got)
+            fs.realize(sent)
+            return (got + x).sum()
+
+        compiled = fs.compile(step)
+        out = []
+        for k in range(6):
+            x = fs.tensor(np.full(3, 10.0 * k + comm.rank, np.float32), device=comm.device)
+            out.append((float(compiled(x)), float(step(x))))
+        assert compiled.replays >= 3, compiled
+        return out
+
+    for rank, pairs in enumerate(fs.DeviceGroup.cpu(2, timeout=30).run(program)):
+        for k, (got, want) in enumerate(pairs):
+            assert got == want == 3 * (2 * (10.0 * k + 1 - rank) + 10.0 * k + rank)
+
+
+def test_a_transfer_posted_before_the_call_and_waited_for_inside_raises() -> None:
+    def program(comm: Communicator) -> None:
+        peer = 1 - comm.rank
+        comm.post(comm.send(fs.ones(2, device=comm.device), peer, tag=1))
+        got = comm.recv((2,), "float32", peer, tag=1)
+        comm.post(got)
+        with pytest.raises(ConfigError, match="posted before it was called"):
+            fs.compile(lambda x: got + x)(fs.ones(2, device=comm.device))
+        comm.flush()
+
+    fs.DeviceGroup.cpu(2, timeout=30).run(program)

@@ -174,6 +174,18 @@ def test_mpiexec_dp2_pp2_tp2(kind: str) -> None:
     _assert_trained(got, dp=2, layers=layers, m=m)
 
 
+@needs_mpiexec
+@pytest.mark.timeout(180)
+def test_mpiexec_pp2_compiled_gives_the_uncompiled_losses() -> None:
+    """Under mpiexec the pipeline's transfers replay through MPI (and the guard): six
+    steps, four of them replays, give --no-compile's losses digit for digit."""
+    base = ["--pp", "2", "--tp", "1", "--steps", "6", "--layers", "2", "--microbatches", "2"]
+    outs = [run(base + flags, n=2) for flags in ([], ["--no-compile"])]
+    assert ", compiled" in outs[0]["out"] and ", uncompiled" in outs[1]["out"]
+    curves = [re.findall(r"^step \d+/6 loss ([0-9.]+)", o["out"], re.M) for o in outs]
+    assert len(curves[0]) == 6 and curves[0] == curves[1], curves
+
+
 # ---- in process: the check's reference, the check failing, bad sizes ---------------------
 def _solo() -> fs.Communicator:
     return fs.DeviceGroup.cpu(1).comms[0]
@@ -258,18 +270,23 @@ def test_layers_that_do_not_split_into_stages_are_a_config_error() -> None:
         T.plan(4, argparse.Namespace(tp=2, pp=1, dp=1))
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("extra", [["--dropout", "0.1"], ["--tp", "2", "--dtype", "float16"],
-                                   ["--dp", "2", "--zero", "--dropout", "0.1"]])
-def test_compiled_steps_give_the_uncompiled_losses_bit_for_bit(extra: list[str]) -> None:
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n, extra", [
+    (1, ["--dropout", "0.1"]), (2, ["--tp", "2", "--dtype", "float16"]),
+    (2, ["--dp", "2", "--zero", "--dropout", "0.1"]),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--layers", "4", "--recompute"]),
+    (4, ["--pp", "2", "--tp", "2", "--dtype", "float16"]),
+    (4, ["--pp", "2", "--dp", "2", "--zero"])])
+def test_compiled_steps_give_the_uncompiled_losses_bit_for_bit(n: int, extra: list[str]) -> None:
     """The default (the step under fs.compile, replayed after its traces) and --no-compile
     give the same losses and norms, exactly: dropout masks, the clip coefficient, the
-    float16 loss scale and its skip decision, ZeRO-1 over dp 2 and tp 2 (DeviceGroups)."""
-    n = 2 if "--tp" in extra or "--dp" in extra else 1
-    base = ["--steps", "7", "--layers", "2", "--microbatches", "2", "--batch", "4",
-            "--pp", "1", *extra]
-    if "--tp" not in extra:
-        base += ["--tp", "1"]
+    float16 loss scale and its skip decision, ZeRO-1 over dp 2, tp 2, and the pipeline's
+    posted transfers at pp 2 (interleaved with recomputation, and beside tp and dp), as
+    DeviceGroups."""
+    base = ["--steps", "7", "--layers", "2", "--microbatches", "2", "--batch", "4", *extra]
+    for flag, one in (("--tp", "1"), ("--pp", "1"), ("--dp", "1")):
+        if flag not in extra:
+            base += [flag, one]
     outs = [fs.DeviceGroup.cpu(n, timeout=60).run(T.train, [T.parse(base + flags)] * n)
             for flags in ([], ["--no-compile"])]
     (compiled, *_), (plain, *_) = outs

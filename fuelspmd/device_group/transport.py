@@ -108,8 +108,12 @@ class _Slot:
 class _Group:
     """What the members of one in-process group share: slots, mailboxes, liveness."""
 
-    def __init__(self, devices: list[str], timeout: float) -> None:
+    def __init__(self, devices: list[str], timeout: float, parent: _Group | None = None,
+                 ranks: list[int] | None = None) -> None:
         self.devices = devices
+        # a split's parent group and each member's rank there: a device that left the
+        # parent (its function failed or returned) has left every split of it too
+        self.parent, self.ranks = parent, ranks or []
         self.n = len(devices)
         self.timeout = timeout
         self.cond = threading.Condition()
@@ -121,13 +125,23 @@ class _Group:
 
     def _missing(self, present: Callable[[int], bool], what: str, seq: int) -> None:
         """Raise when a device we wait for has left; called with the lock held."""
-        left = {r: how for r, how in self.gone.items() if not present(r)}
+        left = {r: how for r, how in self._left().items() if not present(r)}
         if left:  # as a rank whose peer finished or died (fuelspmd.comm.guard)
             names = ", ".join(f"{self.devices[r]} ({how})" for r, how in sorted(left.items()))
             raise PeerAbortedError(f"{what} #{seq}: device(s) {names} left the group without "
                                    "issuing it, so it will never complete; every device must "
                                    "issue the same collectives in the same order, and every "
                                    "recv needs a send")
+
+    def _left(self) -> dict[int, str]:
+        """The members that left, by rank here: this group's own, then its parents'."""
+        left = dict(self.gone)
+        if self.parent is not None:
+            above = self.parent._left()
+            for i, r in enumerate(self.ranks):
+                if r in above:
+                    left.setdefault(i, above[r])
+        return left
 
     def _wait(self, ready: Callable[[], bool], present: Callable[[int], bool], what: str,
               seq: int) -> None:
@@ -449,7 +463,8 @@ class LocalTransport:
             out: list[Any] = [None] * len(pairs)
             for c in sorted({c for c, _ in pairs}):
                 members = sorted((k, r) for r, (cc, k) in enumerate(pairs) if cc == c)
-                sub = _Group([g.devices[r] for _, r in members], g.timeout)
+                sub = _Group([g.devices[r] for _, r in members], g.timeout, g,
+                             [r for _, r in members])
                 for i, (_, r) in enumerate(members):
                     out[r] = LocalTransport(sub, i)
             return out

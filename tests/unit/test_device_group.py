@@ -125,6 +125,22 @@ def test_failed_device_reported_not_its_echo() -> None:
         DeviceGroup.cpu(3, timeout=TIMEOUT).run(fn, [np.ones(2)] * 3)
 
 
+def test_a_device_that_failed_is_gone_from_every_split_too() -> None:
+    """A device whose function failed has left its splits as well: a peer waiting in a
+    split's collective (a pipeline's private communicator) raises at once, and the run
+    reports the failure, not a timeout (it waited the whole deadline before)."""
+    def fn(comm: fs.Communicator, x: np.ndarray) -> None:
+        sub = comm.split(0, comm.rank)
+        if comm.rank == 1:
+            raise KeyError("device 1 failed")
+        sub.all_reduce(fs.tensor(x, device=comm.device)).numpy()
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="device 1 failed"):
+        DeviceGroup.cpu(2, timeout=30.0).run(fn, [np.ones(2)] * 2)
+    assert time.monotonic() - start < 10.0
+
+
 def test_failed_device_makes_others_raise_quickly() -> None:
     seen: list[BaseException] = []
     lock = threading.Lock()

@@ -111,20 +111,6 @@ def _bounds(count: int, n: int) -> list[int]:
     return [k * base + min(k, extra) for k in range(n + 1)]
 
 
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-
-
-def _shm_free(path: str = SHM_DIR) -> int:
-    """Bytes free in the file system that backs shared windows (-1: unknown)."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return -1
-    return st.f_bavail * st.f_frsize
-
-
 class Window:
     """One shared window: ``nbytes`` per rank, every rank's segment mapped (``segs``, uint8),
     held under a ``Lock_all`` epoch until :meth:`free`. Making and freeing it is collective
@@ -229,10 +215,15 @@ class ShmAllReduce:
         self._flags[self.rank][:] = 0
         # agreed by all ranks: pipelining needs a core per rank (a spinning waiter holds
         # the core its peer needs otherwise: then yield at once); the cap is a quarter of
-        # the least free /dev/shm any rank saw, over the ranks
-        free = _shm_free()
-        agreed = np.array([1 if self.size <= _cores() else 0, free if free >= 0 else 1 << 62],
-                          np.int64)
+        # the least free /dev/shm any rank saw, over the ranks (none when unknown)
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        try:
+            st = os.statvfs(SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 1 << 62
+        agreed = np.array([1 if self.size <= cores else 0, free], np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
         self._spin_s = _SPIN_S if self.pipelined else 0.0
@@ -287,11 +278,9 @@ class ShmAllReduce:
         return None
 
     def _placed(self, flat: np.ndarray) -> int:
-        """Which lent area of its class ``flat`` starts: its index plus one, or 0.
-
-        A view of an area has the area's array as its base, so areas are told apart by
-        identity, and a view starts one when its first element overlaps the area's first
-        byte (``shares_memory``: cheaper than reading an address out of a dict)."""
+        """Which lent area of its class ``flat`` starts: its index plus one, or 0. A view of
+        an area has the area's array as its base (told apart by identity), and starts it
+        when its first element overlaps the area's first byte."""
         base = flat.base
         if base is None or not flat.size:
             return 0
@@ -329,11 +318,9 @@ class ShmAllReduce:
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
-        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``
-        (:func:`~fuelspmd_mpi._work.spin`, calling ``check.watch``, until the deadline or
-        ``check.timeout`` if sooner: CommTimeoutError naming the ranks whose flag never
-        rose). ``Win.Sync`` of the flag window on both sides is a full memory barrier, so
-        stores to the data windows are covered too."""
+        """Set this rank's flag ``slot`` to ``k``; spin until every rank's is >= ``k``, within
+        the deadline (CommTimeoutError naming the ranks whose flag never rose), calling
+        ``check.watch``; the flag window's ``Win.Sync`` on both sides fences the data too."""
         flags = self._flags
         flags[self.rank][slot] = k
         self._flag.win.Sync()
@@ -351,13 +338,9 @@ class ShmAllReduce:
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
                    check: Check | None = None) -> bool:
-        """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
-
-        Blocking: the result is in ``buf`` when it returns. ``check``, when given, rides in
-        the header (words 7-9): every rank's words go to ``check.agrees`` after the first
-        sync, before any data moves (:class:`Disagreement` on every rank otherwise), and
-        ``check.watch()`` runs while this rank waits there.
-        """
+        """Reduce the C-contiguous ``buf`` over the node in place, blocking; False if over
+        the cap. ``check`` rides in header words 7-9 (:class:`Disagreement` on every rank
+        unless ``check.agrees``), and ``check.watch()`` runs while this rank waits."""
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         nbytes = flat.nbytes
@@ -435,13 +418,9 @@ class ShmAllReduce:
         return self._pipe_win
 
     def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> None:
-        """The all-reduce in chunks of ``_CHUNK`` bytes through two small slots.
-
-        Per chunk ``c`` (slot ``c % 2``): copy in the chunk but this rank's slice; flag 1;
-        fold this rank's slice into its buffer and its result slot; flag 2; copy every
-        peer's result slice out. A slot is written again two chunks later, after a flag
-        every peer raised once done reading it.
-        """
+        """The three steps per chunk ``c`` of ``_CHUNK`` bytes through slot ``c % 2``, the
+        syncs being flags 1 and 2; a slot is written again two chunks later, after a flag
+        every peer raised once done reading it."""
         segs = self._pipe_win.segs  # type: ignore[union-attr]
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         self._waited = 0.0

@@ -43,16 +43,9 @@ from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, local_reduce
 __all__ = ["MPITransport"]
 
 _MPI_ONLY = Route.of(manual_bands("mpi", 0, 0, "the default"))
-_COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different collective "
-                    "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
-# A checked collective that does not meet in the shared-memory header starts with one
-# all_gather of a fixed record per rank: its three check words, then a payload of at most
-# INLINE bytes (a small all_reduce, all_gather or broadcast: one meeting does all). The
-# record's size never depends on the buffers, so ranks that disagree still meet in one
-# well-formed exchange, and no data collective is issued before they know they agree.
-INLINE = 512
+INLINE = 512  # bytes of a check record's payload (MPITransport.checked)
 _RECORD = 3 + INLINE // 8
 
 
@@ -157,7 +150,8 @@ class MPITransport:
             return (f"{op} #{seq} {direction} peer {peer} (world rank "
                     f"{self.world_ranks[peer]}) tag {tag} {where}",
                     f"peer {peer} never posted the matching {other} with tag {tag}")
-        return f"{op} #{seq} {where}", _COLLECTIVE_HINT
+        return (f"{op} #{seq} {where}", "a rank of the group never joined it, or joined a "
+                "different collective (every rank must issue the same collectives in order)")
 
     @property
     def cuda_aware(self) -> tuple[bool, str]:
@@ -191,12 +185,12 @@ class MPITransport:
 
     def checked(self, check: Check, op: str, *args: Any) -> Work:
         """The collective ``op(*args)`` whose ranks first compare ``check.words`` (the
-        ``checked`` capability), in one fixed-size all_gather of a record per rank (or the
-        shared-memory call's header) that also carries a payload of at most ``INLINE``
-        bytes: a small all_reduce's buffer (reduced locally, in rank order, from what every
-        rank sent), a small all_gather's block, a small broadcast's root buffer; for those
-        and a barrier, the meeting is the whole collective. No data collective is issued
-        unless every rank's words agree; otherwise every rank raises :class:`Disagreement`."""
+        ``checked`` capability): in the shared-memory header, else in one all_gather of a
+        fixed-size record per rank, the words then a payload of at most ``INLINE`` bytes.
+        The record's size never depends on the buffers, so ranks that disagree still meet
+        in one well-formed exchange, before any data collective. A small all_reduce (every
+        rank reduces the same rows in rank order: the same bits), all_gather or broadcast
+        rides whole in the payload; for those and a barrier the meeting is the collective."""
         if op == "all_reduce":
             buf, rop = args
             k = self._inline
@@ -277,7 +271,7 @@ class MPITransport:
 
     def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
         """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
-        the next call of that kind (one kind: a loop repeats one)."""
+        the next call of that kind (a loop repeats one)."""
         rec, n = self._records, buf.nbytes
         slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
         parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
@@ -289,8 +283,7 @@ class MPITransport:
         return kind
 
     def _reduce_inline(self, check: Check, k: _Inline, buf: np.ndarray) -> Work:
-        """A small all_reduce whole in its check's meeting: every rank's buffer rides in its
-        record, and every rank reduces the same rows in rank order (the same bits)."""
+        """A small all_reduce whole in its check's meeting (see :meth:`checked`)."""
         seq = self._seq
         self._seq = seq + 1
         k.slot[...] = buf
@@ -302,10 +295,9 @@ class MPITransport:
         return DONE
 
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
-        """All-gather every rank's check words and ``payload`` (a plain array of at most
-        ``INLINE`` bytes, or None; an inline all_reduce wrote its own) in one fixed-size
-        record; raise Disagreement unless the words agree. Return every rank's payload
-        bytes, a (size, INLINE) uint8 view."""
+        """All-gather the check records (``payload``: a plain array of at most ``INLINE``
+        bytes, or None); raise Disagreement unless the words agree. Return every rank's
+        payload bytes, a (size, INLINE) uint8 view."""
         rec = self._records
         mine, rows = rec[0], rec[1]
         w = check.words
@@ -381,27 +373,23 @@ class MPITransport:
         self._free_shm()
         self._planner = planner if auto else None
         self._cap = int(cap_bytes)
-        if self.size == 1:
-            self._route = Route.of(b._replace(algorithm="mpi", reason="one rank: nothing to "
-                                              "reduce") for b in bands)
-            return "auto" if auto else "mpi"
         route = Route.of(bands)
-        if "shm" in route.algorithms:
+        if self.size > 1 and "shm" in route.algorithms:
             self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
                                             timeout=self.timeout, late=self._shm_late)
             if self._shm is None:
                 route = route.without("shm", "does not apply: the ranks do not all share "
                                       "memory (a split per node can use it)")
-        if "hierarchical" in route.algorithms:
+        if self.size > 1 and "hierarchical" in route.algorithms:
             self._hier = Hierarchical.create(self._comm, MPI=self._MPI, owner=self,
                                              nodes=nodes)
             if self._hier is None:
                 route = route.without("hierarchical", "does not apply: the group is on one "
                                       "node, or its nodes hold different numbers of its ranks")
-        self._route = route
+        self._route = route  # one rank: never looked at (nothing to reduce)
         if auto:
             return "auto"
-        return algorithm if algorithm in route.algorithms else "mpi"
+        return algorithm if self.size > 1 and algorithm in route.algorithms else "mpi"
 
     def _choose(self, nbytes: int, dtype: Any) -> tuple[str, str]:
         """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""

@@ -53,7 +53,6 @@ class Types:
     """
 
     def __init__(self, MPI: Any) -> None:
-        self.MPI = MPI
         u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
         self.bf16 = to_numpy(bfloat16)
         self.move: dict[np.dtype, Any] = {
@@ -191,8 +190,14 @@ class MPIWork:
         return True
 
     def _error(self, e: Exception) -> CommError:
+        """mpi4py's MPI.Exception as a CommError; its last line is MPI's own reason."""
         what, _ = self._owner.explain(self._op, self._seq)
-        return _comm_error(e, what)
+        text = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        if "truncat" in str(e).lower():
+            return CollectiveMismatchError(
+                f"{what}: the message sent is longer than the receive buffer ({text}); "
+                f"size the recv buffer to the number of elements the peer sends")
+        return CommError(f"{what}: MPI reported an error: {text}")
 
     def test(self) -> bool:
         """Return whether the operation completed (never blocks)."""
@@ -237,14 +242,3 @@ class MPIWork:
         self._finish = None
         self._keep = None
         return True
-
-
-def _comm_error(e: Exception, what: str) -> CommError:
-    """Turn mpi4py's MPI.Exception into a CommError; its last line is MPI's own reason."""
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    text = lines[-1].strip()
-    if "truncat" in str(e).lower():
-        return CollectiveMismatchError(
-            f"{what}: the message sent is longer than the receive buffer ({text}); "
-            f"size the recv buffer to the number of elements the peer sends")
-    return CommError(f"{what}: MPI reported an error: {text}")

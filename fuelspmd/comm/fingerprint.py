@@ -12,9 +12,6 @@ different numbers of sends and receives between two collectives, but every rank 
 the same collective, and a send must meet its recv in the same epoch. Two collectives agree
 on every field; a send and the recv it meets are complementary (one ``send``, one ``recv``)
 and agree on src, dst, tag, shape, dtype, group and epoch.
-
-Everything before ``CSEQ`` in the encoding is what two agreeing collectives share byte for
-byte, so :func:`digest` of it is what ranks compare in one word.
 """
 
 from __future__ import annotations
@@ -64,8 +61,9 @@ def group_id(members: Iterable[int], color: int = 0) -> int:
 
 
 def digest(encoded: np.ndarray) -> int:
-    """62 bits of what two agreeing collectives share (the encoding before ``CSEQ``),
-    alike on every rank (CRC-32 and Adler-32, not Python's per-process salted ``hash``)."""
+    """62 bits of what two agreeing collectives share byte for byte (the encoding before
+    ``CSEQ``): ranks compare it in one word. CRC-32 and Adler-32, alike on every rank (not
+    Python's per-process salted ``hash``)."""
     return digest62(encoded[:CSEQ].tobytes())
 
 

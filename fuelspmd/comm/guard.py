@@ -411,15 +411,12 @@ class Guard:
         seen = "; ".join(f"last seen from rank {q}: " + (
             "nothing" if (n := self._notes[q]) is None else "finished" if n[0] == _BYE else
             f"waiting in {describe(n[4:4 + FP_LEN])}") for q in missing)
-        op = describe(mine) if mine is not None else what
-        if not missing:
-            self.fail(f"{op} on rank {self.rank} (group {self.group}): every rank is in it, "
-                      f"but {what} did not complete within {limit:g} s: a rank died or is "
-                      f"stuck inside the transport; if it is only slow, raise the timeout",
-                      CommTimeoutError)
-        self.fail(f"{op} on rank {self.rank} (group {self.group}): rank(s) {missing} did not "
-                  f"reach it within {limit:g} s ({seen}); they are stuck in compute, dead, "
-                  f"or waiting elsewhere; if they are only slow, raise the timeout",
+        why = (f"rank(s) {missing} did not reach it within {limit:g} s ({seen}); they are "
+               f"stuck in compute, dead, or waiting elsewhere" if missing else
+               f"every rank is in it, but {what} did not complete within {limit:g} s: a rank "
+               f"died or is stuck inside the transport")
+        self.fail(f"{describe(mine) if mine is not None else what} on rank {self.rank} (group "
+                  f"{self.group}): {why}; if it is only slow, raise the timeout",
                   CommTimeoutError)
 
     def fail(self, text: str, kind: type[Exception] = CollectiveMismatchError, rec: int = -1,
@@ -468,7 +465,7 @@ class Guard:
         control, drained, end = self.control, self._probe is None, time.monotonic() + self.timeout
         self.bye(cseq)
         with contextlib.suppress(CommError):
-            for q in range(0 if drained or control is None else self.size):
+            for q in range(0 if drained else self.size):  # a probe means a control channel
                 while q != self.rank and ((note := self._notes[q]) is None or note[0] != _BYE):
                     self._notes[q] = note = np.empty(_NOTE, np.int64)
                     control.recv(note, q, TAG_NOTE).wait(max(end - time.monotonic(), 1e-3))

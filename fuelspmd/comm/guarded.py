@@ -57,11 +57,9 @@ class _Call:
 
 
 class GuardedWork:
-    """The Work of a guarded operation: ``wait`` settles it with the guard (the wait
-    watches the peers' notes every slice, and a recv is released only once the sender's
-    fingerprint agrees). ``encoded`` is the operation's fingerprint (a collective's
-    template: its numbers are ``seq`` and ``cseq``); ``k`` its message number with
-    ``peer`` (point-to-point)."""
+    """The Work of a guarded operation, settled with the guard by ``wait``. ``encoded`` is
+    its fingerprint (a collective's template: its numbers are ``seq`` and ``cseq``); ``k``
+    its message number with ``peer`` (point-to-point)."""
 
     __slots__ = ("cseq", "done", "encoded", "guard", "k", "peer", "rec", "recv", "result",
                  "seq", "work")

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -78,7 +77,7 @@ import numpy as np
 from fuelspmd.backend import tracked
 from fuelspmd.errors import CollectiveMismatchError
 from fuelspmd.transport import Check, Disagreement, ReduceOp
-from fuelspmd_mpi._work import UFUNCS, divide, spin
+from fuelspmd_mpi._work import UFUNCS, divide, late_text, spin
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "Window", "size_class"]
 
@@ -104,6 +103,15 @@ def size_class(nbytes: int) -> int:
 def _part(nbytes: int, n: int) -> int:
     """Bytes of one result area: a slice of ``nbytes`` over ``n``, 8 more, cache-aligned."""
     return -(-(-(-nbytes // n) + 8) // 64) * 64
+
+
+def _shm_free() -> int:
+    """Bytes free in the file system that backs shared windows (-1: unknown)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return -1
+    return st.f_bavail * st.f_frsize
 
 
 def _bounds(count: int, n: int) -> list[int]:
@@ -187,18 +195,16 @@ def _mismatch(heads: list[list[int]], rank: int, seq: int) -> NoReturn:
 class ShmAllReduce:
     """The shared-memory all-reduce of one single-node group (see the module docstring).
 
-    ``timeout`` bounds one sync; ``late(seq, timeout)`` words its CommTimeoutError (the
-    transport names the operation). ``pipelined``: sizes from ``PIPE_MIN`` take the chunked
-    path (every rank has a core of its own; agreed by all ranks).
+    ``timeout`` (the transport ``owner``'s) bounds one sync, and ``owner`` names the
+    operation in its CommTimeoutError. ``pipelined``: sizes from ``PIPE_MIN`` take the
+    chunked path (every rank has a core of its own; agreed by all ranks).
     """
 
-    def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, timeout: float,
-                 late: Callable[[int, float], str]) -> None:
-        self._MPI, self._node = MPI, node
+    def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, owner: Any) -> None:
+        self._MPI, self._node, self._owner = MPI, node, owner
         self.rank: int = node.Get_rank()
         self.size: int = node.Get_size()
-        self.timeout = float(timeout)
-        self._late = late
+        self.timeout: float = owner.timeout
         self._copy: dict[int, Window] = {}  # size class -> its copy-in window
         self._lent: dict[int, list[Window]] = {}  # size class -> its lent windows
         # per lent window, a weak reference to the one array its area was handed out as
@@ -218,12 +224,9 @@ class ShmAllReduce:
         # the least free /dev/shm any rank saw, over the ranks (none when unknown)
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
-        try:
-            st = os.statvfs(SHM_DIR)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = 1 << 62
-        agreed = np.array([1 if self.size <= cores else 0, free], np.int64)
+        free = _shm_free()
+        agreed = np.array([1 if self.size <= cores else 0, free if free >= 0 else 1 << 62],
+                          np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
         self._spin_s = _SPIN_S if self.pipelined else 0.0
@@ -235,15 +238,14 @@ class ShmAllReduce:
         node.Barrier()  # every flag is 0 before anyone waits on it
 
     @classmethod
-    def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, timeout: float,
-               late: Callable[[int, float], str]) -> ShmAllReduce | None:
+    def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, owner: Any) -> ShmAllReduce | None:
         """The shm all-reduce of ``comm`` (in its rank order), or None when its ranks do not
         all share memory. Collective over ``comm``."""
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         if node.Get_size() != comm.Get_size():
             node.Free()
             return None
-        return cls(node, MPI=MPI, cap_bytes=cap_bytes, timeout=timeout, late=late)
+        return cls(node, MPI=MPI, cap_bytes=cap_bytes, owner=owner)
 
     @property
     def allocated_bytes(self) -> int:
@@ -327,7 +329,8 @@ class ShmAllReduce:
 
         def late(limit: float) -> str:
             missing = [j for j, f in enumerate(flags) if f[slot] < k]
-            return f"{self._late(seq, limit)} (rank(s) {missing} of the group never reached it)"
+            return (f"{late_text(self._owner, 'all_reduce (shared memory)', seq, limit)} "
+                    f"(rank(s) {missing} of the group never reached it)")
 
         self._waited += spin(lambda: all(f[slot] >= k for f in flags),
                              self.timeout if check is None else min(self.timeout, check.timeout),

@@ -1,17 +1,14 @@
 """MPITransport: the Transport seam over one MPI communicator, through mpi4py's buffer API.
 
 Every operation is the non-blocking MPI call (Iallreduce, Iallgather, Ireduce_scatter_block,
-Ibcast, Ialltoall, Isend, Irecv, Ibarrier) in an :class:`~fuelspmd_mpi._work.MPIWork`, whose
-``wait`` polls against a deadline: a rank that never joins gives CommTimeoutError, never a
-hang. Only the uppercase buffer methods are used (the lowercase ones pickle arrays). Each
-transport numbers the operations it starts (``seq``) so that a timeout names the one that
-hung. An all_reduce that the route (:meth:`MPITransport.set_all_reduce_policy`, chosen by
-the layer above) sends through shared memory (:mod:`fuelspmd_mpi._shm`) or the node and
-rail splits (:mod:`fuelspmd_mpi._hier`) completes inside the call, each wait under the
-same deadline. GPU buffers go to a CUDA-aware MPI as they are, else through pinned host
-copies (:mod:`fuelspmd_mpi._staging`); only the slow path looks. Collectives on empty
-buffers complete without MPI (every rank has the same sizes); sends and receives of 0
-elements still go to MPI to match their peer.
+Ibcast, Ialltoall, Isend, Irecv, Ibarrier; the uppercase buffer methods: the lowercase ones
+pickle) in an :class:`~fuelspmd_mpi._work.MPIWork`, waited against a deadline, and numbered
+(``seq``) so that a timeout names the one that hung. An all_reduce that the route
+(:meth:`MPITransport.set_all_reduce_policy`) sends through shared memory
+(:mod:`fuelspmd_mpi._shm`) or the node and rail splits (:mod:`fuelspmd_mpi._hier`)
+completes inside the call. GPU buffers: :mod:`fuelspmd_mpi._staging`, on the slow path
+only. Collectives on empty buffers complete without MPI (every rank has the same sizes);
+sends and receives of 0 elements still go to MPI to match their peer.
 """
 
 from __future__ import annotations
@@ -332,14 +329,13 @@ class MPITransport:
         """Choose how all_reduce runs; return the choice ("mpi", "shm", "hierarchical", "auto").
 
         Collective, with the same arguments on every rank (checked: CollectiveMismatchError).
-        ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`)
-        gives the algorithm per size band with the reason, and a ``split`` plans its group
-        with it too; ``"shm"`` or ``"hierarchical"``: that path for ``min_bytes..max_bytes``
-        (shm: float32/float64/int32/int64, at most ``cap_bytes`` of window per rank;
-        hierarchical: split by ``nodes``, each rank's node index, else by shared memory);
-        ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot apply runs
-        MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then returns
-        "mpi". A split starts with MPI's own unless the policy is auto.
+        ``"auto"``: the planner's bands (:mod:`fuelspmd_mpi._policy`), and a ``split`` plans
+        its group with it too; ``"shm"`` or ``"hierarchical"``: that path for
+        ``min_bytes..max_bytes`` (shm: float32/float64/int32/int64, at most ``cap_bytes`` of
+        window per rank; hierarchical: split by ``nodes``, each rank's node index, else by
+        shared memory); ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot
+        apply runs MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then
+        returns "mpi". A split starts with MPI's own unless the policy is auto.
         """
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
@@ -376,7 +372,7 @@ class MPITransport:
         route = Route.of(bands)
         if self.size > 1 and "shm" in route.algorithms:
             self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
-                                            timeout=self.timeout, late=self._shm_late)
+                                            owner=self)
             if self._shm is None:
                 route = route.without("shm", "does not apply: the ranks do not all share "
                                       "memory (a split per node can use it)")
@@ -420,9 +416,7 @@ class MPITransport:
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
         """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes``
         of ``dtype`` is reduced as it lies (the ``lend`` capability), or None: another path
-        for that size or dtype, or no free area yet. Local: a class without a free area asks
-        for one, and its next all_reduce adds it on every rank after the header sync, where
-        all ranks are in one call of one size (:mod:`fuelspmd_mpi._shm`)."""
+        for that size or dtype, or no free area yet (:meth:`ShmAllReduce.lend`)."""
         key = (nbytes, dtype)
         ok = self._lend_for.get(key)
         if ok is None:
@@ -440,11 +434,6 @@ class MPITransport:
     def shared_window_bytes(self) -> int:
         """Bytes of shared window this rank holds for the shm all-reduce (0 when it is off)."""
         return 0 if self._shm is None else self._shm.allocated_bytes
-
-    def _shm_late(self, seq: int, limit: float) -> str:
-        what, hint = self.explain("all_reduce (shared memory)", seq)
-        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
-                f"raise the timeout (fs.init(timeout=...))")
 
     def _free_shm(self) -> None:
         """Free the shm windows and the node/rail splits; the route falls back to MPI."""

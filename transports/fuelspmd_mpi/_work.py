@@ -27,7 +27,8 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce", "spin"]
+__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "late_text", "local_reduce",
+           "spin"]
 
 _BURST = 64  # polls between two reads of the clock: a small collective ends within a few
 _YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
@@ -146,6 +147,14 @@ def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
             os.sched_yield()
 
 
+def late_text(owner: Any, op: str | tuple[str, int, int], seq: int, limit: float) -> str:
+    """The CommTimeoutError text of ``owner``'s operation ``seq`` that did not complete
+    within ``limit`` s (``owner.explain`` names it and who failed to join)."""
+    what, hint = owner.explain(op, seq)
+    return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
+            f"raise the timeout (fs.init(timeout=...) or wait(timeout))")
+
+
 class MPIWork:
     """A started MPI operation: ``test`` polls it, ``wait`` spins on it (:func:`spin`).
 
@@ -176,9 +185,7 @@ class MPIWork:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object((self._req, self._keep)))
 
     def _late(self, limit: float) -> str:
-        what, hint = self._owner.explain(self._op, self._seq)
-        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
-                f"raise the timeout (fs.init(timeout=...) or wait(timeout))")
+        return late_text(self._owner, self._op, self._seq, limit)
 
     def _complete(self) -> bool:
         self._req = None

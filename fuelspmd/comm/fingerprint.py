@@ -124,8 +124,7 @@ def render(a: np.ndarray, field: str) -> str:
 
 def describe(a: np.ndarray) -> str:
     """Return a one-line summary of an encoded fingerprint: op, numbers, shape, dtype, ..."""
-    parts = [f"{render(a, 'op')} op #{int(a[SEQ])} (collective #{int(a[CSEQ])}) "
-             f"{render(a, 'shape')} {render(a, 'dtype')}"]
+    parts = [render(a, f) for f in ("op", "seq", "shape", "dtype")]
     parts += [f"{f}={render(a, f)}" for f in ("reduce_op", "root", "src", "dst", "tag")
               if render(a, f) not in ("none", "None")]
     return " ".join(parts)

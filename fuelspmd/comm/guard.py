@@ -27,7 +27,7 @@ guarantees, and how:
    the op it waits in, its pair counts with that peer) and reads the peers' (the ``probe``
    capability). A note that cannot be squared with what this rank does raises here, and an
    *abort* note tells every peer, which raises within its next slice. A note about an
-   operation already passed (an older collective, a message already sent) is stale.
+   operation already passed (an older collective, a message already sent) is ignored.
 4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
    exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
    they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`.
@@ -465,7 +465,7 @@ class Guard:
         control, drained, end = self.control, self._probe is None, time.monotonic() + self.timeout
         self.bye(cseq)
         with contextlib.suppress(CommError):
-            for q in range(0 if drained else self.size):  # a probe means a control channel
+            for q in range(0 if drained or control is None else self.size):
                 while q != self.rank and ((note := self._notes[q]) is None or note[0] != _BYE):
                     self._notes[q] = note = np.empty(_NOTE, np.int64)
                     control.recv(note, q, TAG_NOTE).wait(max(end - time.monotonic(), 1e-3))

@@ -12,9 +12,6 @@ different numbers of sends and receives between two collectives, but every rank 
 the same collective, and a send must meet its recv in the same epoch. Two collectives agree
 on every field; a send and the recv it meets are complementary (one ``send``, one ``recv``)
 and agree on src, dst, tag, shape, dtype, group and epoch.
-
-Everything before ``CSEQ`` in the encoding is what two agreeing collectives share byte for
-byte, so :func:`digest` of it is what ranks compare in one word.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ _SLOTS = {"seq": (CSEQ,), "op": (OP,), "shape": tuple(range(COUNT, SHAPE_HASH + 
           "src": (SRC,), "dst": (DST,), "tag": (TAG,)}
 _P2P_FIELDS = ("seq", "op", "shape", "dtype", "group", "src", "dst", "tag")
 _MIXED_FIELDS = ("seq", "op", "shape", "dtype", "group")
+_TABLES = {"op": OPS, "dtype": DTYPES, "reduce_op": REDUCE_OPS}  # fields encoded as indices
 
 
 def _code(table: tuple[str, ...], name: str | None) -> int:
@@ -57,20 +55,15 @@ def _code(table: tuple[str, ...], name: str | None) -> int:
         return 1000 + zlib.crc32(name.encode())
 
 
-def _name(table: tuple[str, ...], code: int) -> str | None:
-    if code == NONE:
-        return None
-    return table[code] if 0 <= code < len(table) else f"#{code}"
-
-
 def group_id(members: Iterable[int], color: int = 0) -> int:
     """A 31-bit id of a group: a CRC of its members (or a parent's id) and split color."""
     return zlib.crc32(np.asarray([color, *members], np.int64).tobytes()) & 0x7FFFFFFF
 
 
 def digest(encoded: np.ndarray) -> int:
-    """62 bits of what two agreeing collectives share (the encoding before ``CSEQ``),
-    alike on every rank (CRC-32 and Adler-32, not Python's per-process salted ``hash``)."""
+    """62 bits of what two agreeing collectives share byte for byte (the encoding before
+    ``CSEQ``): ranks compare it in one word. CRC-32 and Adler-32, alike on every rank (not
+    Python's per-process salted ``hash``)."""
     return digest62(encoded[:CSEQ].tobytes())
 
 
@@ -102,8 +95,7 @@ class Fingerprint:
         a[OP] = OPS.index(self.op)
         a[COUNT] = int(np.prod(shape, dtype=np.int64)) if shape else 1
         a[NDIM] = len(shape)
-        for i, d in enumerate(shape[:4]):
-            a[DIM0 + i] = d
+        a[DIM0:DIM0 + min(len(shape), 4)] = shape[:4]
         a[SHAPE_HASH] = zlib.crc32(np.asarray(shape, np.int64).tobytes())
         a[DTYPE] = _code(DTYPES, self.dtype)
         a[REDUCE] = _code(REDUCE_OPS, self.reduce_op)
@@ -113,22 +105,12 @@ class Fingerprint:
         a[CSEQ] = self.seq if self.cseq is None else self.cseq
         return a
 
-    def as_dict(self) -> dict[str, object]:
-        """Return the fields as plain JSON-ready values (for the flight recorder)."""
-        return {"seq": self.seq, "op": self.op, "shape": list(self.shape), "dtype": self.dtype,
-                "reduce_op": self.reduce_op, "root": self.root, "group": self.group,
-                "src": self.src, "dst": self.dst, "tag": self.tag,
-                "cseq": self.seq if self.cseq is None else self.cseq}
-
 
 def render(a: np.ndarray, field: str) -> str:
     """Return ``field`` of the encoded fingerprint ``a`` as text for an error message."""
-    if field == "op":
-        return str(_name(OPS, int(a[OP])))
-    if field == "dtype":
-        return str(_name(DTYPES, int(a[DTYPE])))
-    if field == "reduce_op":
-        return str(_name(REDUCE_OPS, int(a[REDUCE])))
+    if field in _TABLES:
+        table, code = _TABLES[field], int(a[_SLOTS[field][0]])
+        return "None" if code == NONE else table[code] if 0 <= code < len(table) else f"#{code}"
     if field == "seq":
         return f"op #{int(a[SEQ])} (collective #{int(a[CSEQ])})"
     if field == "shape":
@@ -142,21 +124,16 @@ def render(a: np.ndarray, field: str) -> str:
 
 def describe(a: np.ndarray) -> str:
     """Return a one-line summary of an encoded fingerprint: op, numbers, shape, dtype, ..."""
-    parts = [f"{render(a, 'op')} op #{int(a[SEQ])} (collective #{int(a[CSEQ])}) "
-             f"{render(a, 'shape')} {render(a, 'dtype')}"]
+    parts = [render(a, f) for f in ("op", "seq", "shape", "dtype")]
     parts += [f"{f}={render(a, f)}" for f in ("reduce_op", "root", "src", "dst", "tag")
               if render(a, f) not in ("none", "None")]
     return " ".join(parts)
 
 
 def diff(mine: np.ndarray, theirs: np.ndarray) -> list[str]:
-    """Return the fields on which two encoded fingerprints disagree (empty: they agree).
-
-    Two collectives compare every field (``seq`` compares the collective number). A send
-    meets a recv: the ops must be complementary and epoch, src, dst, tag, shape, dtype and
-    group equal. A p2p op met by a collective reports seq, op and whichever of shape,
-    dtype, group also differ.
-    """
+    """Return the fields on which two encoded fingerprints disagree (empty: they agree), by
+    the rules of the module docstring; a p2p op met by a collective reports seq, op and
+    whichever of shape, dtype and group also differ."""
     a_p2p, b_p2p = int(mine[OP]) in (SEND, RECV), int(theirs[OP]) in (SEND, RECV)
     if a_p2p and b_p2p:
         return [f for f in _P2P_FIELDS if (mine[OP] == theirs[OP] if f == "op" else

@@ -5,33 +5,29 @@ What the guard (``default`` and ``debug`` modes; ``off`` records and checks noth
 guarantees, and how:
 
 1. **A collective is compared before any data moves.** Every rank's words
-   ``[digest, cseq, fence]`` (:meth:`Guard.words`) are compared first: ``digest`` covers
+   ``[digest, cseq, fence]`` (:meth:`Guard.meet`) are compared first: ``digest`` covers
    op, shape, dtype, reduce op, root and group (:func:`~fuelspmd.comm.fingerprint.digest`),
-   ``cseq`` is the group's collective number, and ``fence`` is this rank's share of a sum
-   over every ordered pair ``(a, b)`` of ``w(a, b) * (sends a issued to b - recvs b issued
-   from a)`` modulo a prime ``P`` (random weights ``w``, alike on every rank): the shares sum
-   to zero exactly when every pair issued as many recvs as sends before this collective
-   (with probability ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest
-   and cseq are the same on every rank and the shares sum to zero. Where the transport
-   makes the ranks meet anyway (the ``checked`` capability: the MPI transport's
-   shared-memory header, or one fixed-size exchange that carries a small collective whole) the
-   words ride there; elsewhere one fixed-size all_gather of them on a private split of the
-   transport (the *control* channel) comes first. Every rank reads the same rows, so every
-   rank decides the same: when they disagree, every rank then all-gathers its whole
+   ``cseq`` is the group's collective number, and ``fence`` is this rank's share of
+   ``sum over ordered pairs (a, b) of w(a, b) * (sends a issued to b - recvs b issued from
+   a) mod P`` (random weights ``w``, alike on every rank): the shares sum to zero exactly
+   when every pair issued as many recvs as sends before this collective (with probability
+   ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest and cseq are the
+   same on every rank and the shares sum to zero. They ride where the transport makes the
+   ranks meet anyway (the ``checked`` capability), else in one fixed-size all_gather on a
+   private split of the transport (the *control* channel). Every rank reads the same rows,
+   so every rank decides the same: when they disagree, every rank all-gathers its whole
    fingerprint and pair counts on the control channel and raises
    :class:`~fuelspmd.errors.CollectiveMismatchError` naming the ranks, the collective
    number and each differing field, or the pair whose sends and recvs do not match.
 2. **A send meets its recv.** Each send's fingerprint follows it on the control channel
    (one ordered stream per pair, tag :data:`TAG_P2P`); a recv is released only once the
    sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).
-3. **Ranks waiting in different places find out within a slice.** A wait that lasts
-   longer than :data:`~fuelspmd.transport.WATCH_S` sends one *note* per peer (tag
-   :data:`TAG_NOTE`: the op it waits in and its pair counts with that peer) and reads the
-   peers' notes (the ``probe`` capability). A note that cannot be squared with what this
-   rank does (another collective at the same number; a recv of a message this rank never
-   sent while it waits in a collective; ...) raises here, and an *abort* note tells every
-   peer, which raises within its next slice. A note about an operation already passed
-   (an older collective number, a message already sent) is stale and ignored.
+3. **Ranks waiting in different places find out within a slice.** A wait longer than
+   :data:`~fuelspmd.transport.WATCH_S` sends each peer one *note* (tag :data:`TAG_NOTE`:
+   the op it waits in, its pair counts with that peer) and reads the peers' (the ``probe``
+   capability). A note that cannot be squared with what this rank does raises here, and an
+   *abort* note tells every peer, which raises within its next slice. A note about an
+   operation already passed (an older collective, a message already sent) is ignored.
 4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
    exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
    they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`.
@@ -187,10 +183,6 @@ class Guard:
         if self._probe is not None and time.monotonic() > self._read_at:
             self._read_notes()
 
-    def check_for(self, encoded: np.ndarray) -> Check:
-        """A Check for operations of this encoded fingerprint (cseq and fence set per call)."""
-        return Check([digest(encoded), 0, 0], agrees, self.watch, self.timeout)
-
     def meet(self, check: Check) -> None:
         """Compare ``check``'s words with every rank's on the control channel (one
         fixed-size all_gather); raise :class:`Disagreement` on every rank if they differ."""
@@ -202,10 +194,12 @@ class Guard:
         if not agrees(table):
             raise Disagreement("the guard's check", table)
 
-    def sent_to(self, peer: int) -> int:
-        """Count a send to ``peer``; return its number (1, 2, ...) among them."""
+    def sent_to(self, peer: int, encoded: np.ndarray) -> int:
+        """Count a send to ``peer`` and post its fingerprint ``encoded`` after it; return its
+        number (1, 2, ...) among them."""
         self.sent[peer] += 1
         self.fence = (self.fence + self._w_out[peer]) % _P
+        self.post(encoded, peer, TAG_P2P)
         return self.sent[peer]
 
     def recvd_from(self, peer: int) -> int:
@@ -417,15 +411,12 @@ class Guard:
         seen = "; ".join(f"last seen from rank {q}: " + (
             "nothing" if (n := self._notes[q]) is None else "finished" if n[0] == _BYE else
             f"waiting in {describe(n[4:4 + FP_LEN])}") for q in missing)
-        op = describe(mine) if mine is not None else what
-        if not missing:
-            self.fail(f"{op} on rank {self.rank} (group {self.group}): every rank is in it, "
-                      f"but {what} did not complete within {limit:g} s: a rank died or is "
-                      f"stuck inside the transport; if it is only slow, raise the timeout",
-                      CommTimeoutError)
-        self.fail(f"{op} on rank {self.rank} (group {self.group}): rank(s) {missing} did not "
-                  f"reach it within {limit:g} s ({seen}); they are stuck in compute, dead, "
-                  f"or waiting elsewhere; if they are only slow, raise the timeout",
+        why = (f"rank(s) {missing} did not reach it within {limit:g} s ({seen}); they are "
+               f"stuck in compute, dead, or waiting elsewhere" if missing else
+               f"every rank is in it, but {what} did not complete within {limit:g} s: a rank "
+               f"died or is stuck inside the transport")
+        self.fail(f"{describe(mine) if mine is not None else what} on rank {self.rank} (group "
+                  f"{self.group}): {why}; if it is only slow, raise the timeout",
                   CommTimeoutError)
 
     def fail(self, text: str, kind: type[Exception] = CollectiveMismatchError, rec: int = -1,
@@ -451,14 +442,12 @@ class Guard:
         if raise_now:
             raise self._failed_kind(self.failed)
 
-    def dump(self, directory: str | os.PathLike[str] | None = None, *,
-             reason: str = "") -> Path | None:
-        """Write the flight recorder to ``directory`` (default ``trace_dir``); None if neither."""
-        where = directory if directory is not None else self.trace_dir
-        if self.recorder is None or where is None:
+    def dump(self, *, reason: str = "") -> Path | None:
+        """Write the flight recorder to ``trace_dir``; None without either."""
+        if self.recorder is None or self.trace_dir is None:
             return None
         self.dumped = True
-        return self.recorder.dump(where, self.world_rank, reason=reason)
+        return self.recorder.dump(self.trace_dir, self.world_rank, reason=reason)
 
     def bye(self, cseq: int, how: str = "") -> None:
         """Tell every peer (once) that this guard closes, after ``cseq`` collectives, and

@@ -2,14 +2,10 @@
 
 It is a Transport itself (same methods, same buffer layout), so code written against the
 seam runs guarded unchanged; ``fs.init()`` hands out the world transport so wrapped. It
-numbers the group's operations (``seq``: every op; ``cseq``: collectives) and builds each
-one's fingerprint from its buffers; the fingerprint, digest and check words of each
-distinct (op, shape, dtype, reduce op, root) are built once (:class:`_Call`). A
-collective over a transport that declares ``checked`` hands its words to the transport's
-own meeting; over any other it meets on the guard's control channel first (see
-:mod:`.guard`). Buffers are checked before anything is sent, so a caller's mistake raises
-the transport's typed error before any communication. Guards still open at interpreter
-exit or ``World.finalize`` say bye then (:func:`bye_all`).
+numbers the group's operations (``seq``: every op; ``cseq``: collectives) and checks each
+one's buffers before anything is sent, so a caller's mistake raises the transport's typed
+error before any communication; what is compared, and where, is in :mod:`.guard`. Guards
+still open at interpreter exit or ``World.finalize`` say bye then (:func:`bye_all`).
 """
 
 from __future__ import annotations
@@ -19,12 +15,13 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.comm.fingerprint import CSEQ, SEQ, TAG, Fingerprint, diff, group_id
-from fuelspmd.comm.guard import TAG_P2P, Guard
+from fuelspmd.comm.fingerprint import CSEQ, SEQ, TAG, Fingerprint, diff, digest, group_id
+from fuelspmd.comm.guard import Guard, agrees
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.errors import CommError, CommTimeoutError
 from fuelspmd.transport import (
@@ -48,21 +45,21 @@ _PASSED = frozenset({"lend", "route", "finalize"})
 
 
 class _Call:
-    """One kind of operation: its fingerprint template, encoding and check words."""
+    """One kind of operation (op, shape, dtype, reduce op, root, peers): its fingerprint
+    template, encoding and check words, built once."""
 
     __slots__ = ("check", "encoded", "fp")
 
     def __init__(self, fp: Fingerprint, guard: Guard) -> None:
         self.fp, self.encoded = fp, fp.encode()
-        self.check: Check | None = guard.check_for(self.encoded) if guard.checks else None
+        self.check = (Check([digest(self.encoded), 0, 0], agrees, guard.watch, guard.timeout)
+                      if guard.checks else None)
 
 
 class GuardedWork:
-    """The Work of a guarded operation: ``wait`` settles it with the guard (the wait
-    watches the peers' notes every slice, and a recv is released only once the sender's
-    fingerprint agrees). ``encoded`` is the operation's fingerprint (a collective's
-    template: its numbers are ``seq`` and ``cseq``); ``k`` its message number with
-    ``peer`` (point-to-point)."""
+    """The Work of a guarded operation, settled with the guard by ``wait``. ``encoded`` is
+    its fingerprint (a collective's template: its numbers are ``seq`` and ``cseq``); ``k``
+    its message number with ``peer`` (point-to-point)."""
 
     __slots__ = ("cseq", "done", "encoded", "guard", "k", "peer", "rec", "recv", "result",
                  "seq", "work")
@@ -163,11 +160,8 @@ class GuardedTransport:
     def _collective(self, call: _Call, name: str, method: Callable[..., Work],
                     args: tuple[Any, ...], result: Any = None) -> Work:
         """Compare, then issue ``method(*args)``, the inner transport's collective ``name``
-        (see :mod:`.guard`): over a ``checked`` transport, its own meeting compares
-        (``checked(check, name, *args)``), else the control channel's first.
-
-        An operation complete on return (a small collective that met in the transport) with
-        nothing left to settle (no flight recorder, not debug) hands back the inner Work."""
+        (over a ``checked`` transport, in its own meeting). An operation complete on return
+        with nothing left to settle (no recorder, not debug) hands back the inner Work."""
         g = self.guard
         if g.failed is not None:
             g.raise_if_failed()
@@ -184,7 +178,15 @@ class GuardedTransport:
                     work = self.inner.checked(check, name, *args)  # type: ignore[attr-defined]
                 else:
                     g.meet(check)
-                    work = self._issue(method, args, call)
+                    try:
+                        work = method(*args)
+                    except Exception as e:  # every rank agreed: a refusal puts them out of step
+                        if not isinstance(e, CommError):
+                            g.fail(f"{call.fp.op} #{seq} was agreed by every rank of group "
+                                   f"{self.group}, but rank {self.rank}'s transport refused "
+                                   f"to issue it ({type(e).__name__}: {e}); the job must end",
+                                   CommError, raise_now=False)
+                        raise
             except CommError as e:
                 self._failed(e)
                 raise
@@ -206,21 +208,6 @@ class GuardedTransport:
             g.late("the check", g.timeout)
         elif g.failed is None:
             g.fail(str(e), type(e))
-
-    def _issue(self, method: Callable[..., Work], args: tuple[Any, ...], call: _Call) -> Work:
-        """Issue a collective every rank agreed on. If this rank's transport refuses it
-        now, the ranks are out of step: the guard fails and tells every peer."""
-        try:
-            return method(*args)
-        except CommError:
-            raise
-        except Exception as e:
-            g = self.guard
-            g.fail(f"{call.fp.op} #{self.seq} was agreed by every rank of group {self.group}, "
-                   f"but rank {self.rank}'s transport refused to issue it "
-                   f"({type(e).__name__}: {e}); the ranks are out of step and the job must "
-                   f"end", CommError, raise_now=False)
-            raise
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
@@ -288,15 +275,10 @@ class GuardedTransport:
         encoded = call.encoded.copy()
         encoded[TAG], encoded[CSEQ], encoded[SEQ] = int(tag), cseq, seq
         rec = -1 if g.recorder is None else g.record(
-            Fingerprint(seq, op, call.fp.shape, call.fp.dtype, None, None, self.group, src,
-                        dst, int(tag), cseq), seq, cseq)
+            replace(call.fp, seq=seq, tag=int(tag), cseq=cseq), seq, cseq)
         k = 0
         if g.checks:
-            if op == "send":
-                k = g.sent_to(peer)
-                g.post(encoded, peer, TAG_P2P)
-            else:
-                k = g.recvd_from(peer)
+            k = g.sent_to(peer, encoded) if op == "send" else g.recvd_from(peer)
         return GuardedWork(g, work, encoded, seq, cseq, rec, peer=peer, k=k, recv=op == "recv")
 
     def split(self, color: int, key: int) -> GuardedTransport:

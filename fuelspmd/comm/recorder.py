@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,9 @@ class Record:
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the record as JSON-ready values."""
-        d = self.fp.as_dict()
-        d.update(seq=self.seq, cseq=self.cseq, state=self.state, t_issued=self.t_issued,
-                 t_done=self.t_done, note=self.note)
-        return d
+        """Return the record as JSON-ready values: the fingerprint's fields, then its own."""
+        return {**asdict(self.fp), "seq": self.seq, "cseq": self.cseq, "state": self.state,
+                "t_issued": self.t_issued, "t_done": self.t_done, "note": self.note}
 
 
 class Recorder:

@@ -9,13 +9,11 @@ themselves (:mod:`fuelspmd_mpi._env`). How dtypes and reduce ops map onto MPI is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fuelspmd.errors import TransportUnavailableError
 from fuelspmd_mpi._env import initialize, library_version, load_mpi, pmix_trap
-
-if TYPE_CHECKING:
-    from fuelspmd_mpi._transport import MPITransport
+from fuelspmd_mpi._transport import MPITransport
 
 __all__ = ["MPIPlugin", "MPITransport", "library_version", "plugin", "pmix_trap"]
 
@@ -46,8 +44,6 @@ class MPIPlugin:
         Raises ConfigError for a launch known to abort in MPI_Init (:func:`pmix_trap`),
         TransportUnavailableError when mpi4py or MPI is missing.
         """
-        from fuelspmd_mpi._transport import MPITransport
-
         MPI = initialize()
         return MPITransport(MPI.COMM_WORLD, MPI=MPI, timeout=timeout, label="world")
 
@@ -60,11 +56,3 @@ class MPIPlugin:
 
 
 plugin = MPIPlugin()
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MPITransport":  # imported on first use: numpy and the seam, no MPI
-        from fuelspmd_mpi._transport import MPITransport
-
-        return MPITransport
-    raise AttributeError(f"module 'fuelspmd_mpi' has no attribute {name!r}")

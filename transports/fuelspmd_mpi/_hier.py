@@ -39,7 +39,6 @@ class Hierarchical:
         self.inter = inter
         self._owner = owner
         self.per_node: int = intra.Get_size()
-        self.nodes: int = inter.Get_size()
 
     @classmethod
     def create(cls, comm: Any, *, MPI: Any, owner: Any,

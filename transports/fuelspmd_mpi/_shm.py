@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -78,7 +77,7 @@ import numpy as np
 from fuelspmd.backend import tracked
 from fuelspmd.errors import CollectiveMismatchError
 from fuelspmd.transport import Check, Disagreement, ReduceOp
-from fuelspmd_mpi._work import UFUNCS, divide, spin
+from fuelspmd_mpi._work import UFUNCS, divide, late_text, spin
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "Window", "size_class"]
 
@@ -106,23 +105,18 @@ def _part(nbytes: int, n: int) -> int:
     return -(-(-(-nbytes // n) + 8) // 64) * 64
 
 
-def _bounds(count: int, n: int) -> list[int]:
-    base, extra = divmod(count, n)
-    return [k * base + min(k, extra) for k in range(n + 1)]
-
-
-def _cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-
-
-def _shm_free(path: str = SHM_DIR) -> int:
+def _shm_free() -> int:
     """Bytes free in the file system that backs shared windows (-1: unknown)."""
     try:
-        st = os.statvfs(path)
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
+
+
+def _bounds(count: int, n: int) -> list[int]:
+    base, extra = divmod(count, n)
+    return [k * base + min(k, extra) for k in range(n + 1)]
 
 
 class Window:
@@ -201,18 +195,16 @@ def _mismatch(heads: list[list[int]], rank: int, seq: int) -> NoReturn:
 class ShmAllReduce:
     """The shared-memory all-reduce of one single-node group (see the module docstring).
 
-    ``timeout`` bounds one sync; ``late(seq, timeout)`` words its CommTimeoutError (the
-    transport names the operation). ``pipelined``: sizes from ``PIPE_MIN`` take the chunked
-    path (every rank has a core of its own; agreed by all ranks).
+    ``timeout`` (the transport ``owner``'s) bounds one sync, and ``owner`` names the
+    operation in its CommTimeoutError. ``pipelined``: sizes from ``PIPE_MIN`` take the
+    chunked path (every rank has a core of its own; agreed by all ranks).
     """
 
-    def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, timeout: float,
-                 late: Callable[[int, float], str]) -> None:
-        self._MPI, self._node = MPI, node
+    def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, owner: Any) -> None:
+        self._MPI, self._node, self._owner = MPI, node, owner
         self.rank: int = node.Get_rank()
         self.size: int = node.Get_size()
-        self.timeout = float(timeout)
-        self._late = late
+        self.timeout: float = owner.timeout
         self._copy: dict[int, Window] = {}  # size class -> its copy-in window
         self._lent: dict[int, list[Window]] = {}  # size class -> its lent windows
         # per lent window, a weak reference to the one array its area was handed out as
@@ -229,9 +221,11 @@ class ShmAllReduce:
         self._flags[self.rank][:] = 0
         # agreed by all ranks: pipelining needs a core per rank (a spinning waiter holds
         # the core its peer needs otherwise: then yield at once); the cap is a quarter of
-        # the least free /dev/shm any rank saw, over the ranks
+        # the least free /dev/shm any rank saw, over the ranks (none when unknown)
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
         free = _shm_free()
-        agreed = np.array([1 if self.size <= _cores() else 0, free if free >= 0 else 1 << 62],
+        agreed = np.array([1 if self.size <= cores else 0, free if free >= 0 else 1 << 62],
                           np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
@@ -244,15 +238,14 @@ class ShmAllReduce:
         node.Barrier()  # every flag is 0 before anyone waits on it
 
     @classmethod
-    def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, timeout: float,
-               late: Callable[[int, float], str]) -> ShmAllReduce | None:
+    def create(cls, comm: Any, *, MPI: Any, cap_bytes: int, owner: Any) -> ShmAllReduce | None:
         """The shm all-reduce of ``comm`` (in its rank order), or None when its ranks do not
         all share memory. Collective over ``comm``."""
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         if node.Get_size() != comm.Get_size():
             node.Free()
             return None
-        return cls(node, MPI=MPI, cap_bytes=cap_bytes, timeout=timeout, late=late)
+        return cls(node, MPI=MPI, cap_bytes=cap_bytes, owner=owner)
 
     @property
     def allocated_bytes(self) -> int:
@@ -287,11 +280,9 @@ class ShmAllReduce:
         return None
 
     def _placed(self, flat: np.ndarray) -> int:
-        """Which lent area of its class ``flat`` starts: its index plus one, or 0.
-
-        A view of an area has the area's array as its base, so areas are told apart by
-        identity, and a view starts one when its first element overlaps the area's first
-        byte (``shares_memory``: cheaper than reading an address out of a dict)."""
+        """Which lent area of its class ``flat`` starts: its index plus one, or 0. A view of
+        an area has the area's array as its base (told apart by identity), and starts it
+        when its first element overlaps the area's first byte."""
         base = flat.base
         if base is None or not flat.size:
             return 0
@@ -329,18 +320,17 @@ class ShmAllReduce:
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
-        """Set this rank's flag ``slot`` to ``k``; wait until every rank's is >= ``k``
-        (:func:`~fuelspmd_mpi._work.spin`, calling ``check.watch``, until the deadline or
-        ``check.timeout`` if sooner: CommTimeoutError naming the ranks whose flag never
-        rose). ``Win.Sync`` of the flag window on both sides is a full memory barrier, so
-        stores to the data windows are covered too."""
+        """Set this rank's flag ``slot`` to ``k``; spin until every rank's is >= ``k``, within
+        the deadline (CommTimeoutError naming the ranks whose flag never rose), calling
+        ``check.watch``; the flag window's ``Win.Sync`` on both sides fences the data too."""
         flags = self._flags
         flags[self.rank][slot] = k
         self._flag.win.Sync()
 
         def late(limit: float) -> str:
             missing = [j for j, f in enumerate(flags) if f[slot] < k]
-            return f"{self._late(seq, limit)} (rank(s) {missing} of the group never reached it)"
+            return (f"{late_text(self._owner, 'all_reduce (shared memory)', seq, limit)} "
+                    f"(rank(s) {missing} of the group never reached it)")
 
         self._waited += spin(lambda: all(f[slot] >= k for f in flags),
                              self.timeout if check is None else min(self.timeout, check.timeout),
@@ -351,13 +341,9 @@ class ShmAllReduce:
 
     def all_reduce(self, buf: np.ndarray, op: ReduceOp, seq: int,
                    check: Check | None = None) -> bool:
-        """Reduce the C-contiguous ``buf`` over the node in place; False if over the cap.
-
-        Blocking: the result is in ``buf`` when it returns. ``check``, when given, rides in
-        the header (words 7-9): every rank's words go to ``check.agrees`` after the first
-        sync, before any data moves (:class:`Disagreement` on every rank otherwise), and
-        ``check.watch()`` runs while this rank waits there.
-        """
+        """Reduce the C-contiguous ``buf`` over the node in place, blocking; False if over
+        the cap. ``check`` rides in header words 7-9 (:class:`Disagreement` on every rank
+        unless ``check.agrees``), and ``check.watch()`` runs while this rank waits."""
         flat = buf.reshape(-1)
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         nbytes = flat.nbytes
@@ -435,13 +421,9 @@ class ShmAllReduce:
         return self._pipe_win
 
     def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> None:
-        """The all-reduce in chunks of ``_CHUNK`` bytes through two small slots.
-
-        Per chunk ``c`` (slot ``c % 2``): copy in the chunk but this rank's slice; flag 1;
-        fold this rank's slice into its buffer and its result slot; flag 2; copy every
-        peer's result slice out. A slot is written again two chunks later, after a flag
-        every peer raised once done reading it.
-        """
+        """The three steps per chunk ``c`` of ``_CHUNK`` bytes through slot ``c % 2``, the
+        syncs being flags 1 and 2; a slot is written again two chunks later, after a flag
+        every peer raised once done reading it."""
         segs = self._pipe_win.segs  # type: ignore[union-attr]
         dt, count, n, r = flat.dtype, flat.size, self.size, self.rank
         self._waited = 0.0

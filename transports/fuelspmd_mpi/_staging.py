@@ -123,13 +123,6 @@ def _pinned_copy(buf: Any) -> np.ndarray:
     return host
 
 
-def _copy_into(dev: Any, host: np.ndarray) -> None:
-    import cupy
-
-    dev.set(host)
-    cupy.cuda.get_current_stream().synchronize()  # the pinned buffer may be reused after
-
-
 def stage(method: Callable[..., Work], bufs: Sequence[Any], outs: Sequence[int],
           *extra: Any, op: str, aware: Callable[[], bool]) -> Work | None:
     """Run ``method(*bufs, *extra)`` on host copies of device ``bufs`` (``outs``: the
@@ -161,6 +154,7 @@ def stage(method: Callable[..., Work], bufs: Sequence[Any], outs: Sequence[int],
 
     def copy_back() -> None:
         for dev, host in pairs:
-            _copy_into(dev, host)
+            dev.set(host)
+        cupy.cuda.get_current_stream().synchronize()  # the pinned buffers may be reused after
 
     return StagedWork(work, copy_back)

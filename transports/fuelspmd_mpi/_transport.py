@@ -1,17 +1,14 @@
 """MPITransport: the Transport seam over one MPI communicator, through mpi4py's buffer API.
 
 Every operation is the non-blocking MPI call (Iallreduce, Iallgather, Ireduce_scatter_block,
-Ibcast, Ialltoall, Isend, Irecv, Ibarrier) in an :class:`~fuelspmd_mpi._work.MPIWork`, whose
-``wait`` polls against a deadline: a rank that never joins gives CommTimeoutError, never a
-hang. Only the uppercase buffer methods are used (the lowercase ones pickle arrays). Each
-transport numbers the operations it starts (``seq``) so that a timeout names the one that
-hung. An all_reduce that the route (:meth:`MPITransport.set_all_reduce_policy`, chosen by
-the layer above) sends through shared memory (:mod:`fuelspmd_mpi._shm`) or the node and
-rail splits (:mod:`fuelspmd_mpi._hier`) completes inside the call, each wait under the
-same deadline. GPU buffers go to a CUDA-aware MPI as they are, else through pinned host
-copies (:mod:`fuelspmd_mpi._staging`); only the slow path looks. Collectives on empty
-buffers complete without MPI (every rank has the same sizes); sends and receives of 0
-elements still go to MPI to match their peer.
+Ibcast, Ialltoall, Isend, Irecv, Ibarrier; the uppercase buffer methods: the lowercase ones
+pickle) in an :class:`~fuelspmd_mpi._work.MPIWork`, waited against a deadline, and numbered
+(``seq``) so that a timeout names the one that hung. An all_reduce that the route
+(:meth:`MPITransport.set_all_reduce_policy`) sends through shared memory
+(:mod:`fuelspmd_mpi._shm`) or the node and rail splits (:mod:`fuelspmd_mpi._hier`)
+completes inside the call. GPU buffers: :mod:`fuelspmd_mpi._staging`, on the slow path
+only. Collectives on empty buffers complete without MPI (every rank has the same sizes);
+sends and receives of 0 elements still go to MPI to match their peer.
 """
 
 from __future__ import annotations
@@ -43,16 +40,9 @@ from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, local_reduce
 __all__ = ["MPITransport"]
 
 _MPI_ONLY = Route.of(manual_bands("mpi", 0, 0, "the default"))
-_COLLECTIVE_HINT = ("a rank of the group never joined it, or joined a different collective "
-                    "(every rank must issue the same collectives in the same order)")
 _ndarray = np.ndarray
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
-# A checked collective that does not meet in the shared-memory header starts with one
-# all_gather of a fixed record per rank: its three check words, then a payload of at most
-# INLINE bytes (a small all_reduce, all_gather or broadcast: one meeting does all). The
-# record's size never depends on the buffers, so ranks that disagree still meet in one
-# well-formed exchange, and no data collective is issued before they know they agree.
-INLINE = 512
+INLINE = 512  # bytes of a check record's payload (MPITransport.checked)
 _RECORD = 3 + INLINE // 8
 
 
@@ -157,7 +147,8 @@ class MPITransport:
             return (f"{op} #{seq} {direction} peer {peer} (world rank "
                     f"{self.world_ranks[peer]}) tag {tag} {where}",
                     f"peer {peer} never posted the matching {other} with tag {tag}")
-        return f"{op} #{seq} {where}", _COLLECTIVE_HINT
+        return (f"{op} #{seq} {where}", "a rank of the group never joined it, or joined a "
+                "different collective (every rank must issue the same collectives in order)")
 
     @property
     def cuda_aware(self) -> tuple[bool, str]:
@@ -191,12 +182,12 @@ class MPITransport:
 
     def checked(self, check: Check, op: str, *args: Any) -> Work:
         """The collective ``op(*args)`` whose ranks first compare ``check.words`` (the
-        ``checked`` capability), in one fixed-size all_gather of a record per rank (or the
-        shared-memory call's header) that also carries a payload of at most ``INLINE``
-        bytes: a small all_reduce's buffer (reduced locally, in rank order, from what every
-        rank sent), a small all_gather's block, a small broadcast's root buffer; for those
-        and a barrier, the meeting is the whole collective. No data collective is issued
-        unless every rank's words agree; otherwise every rank raises :class:`Disagreement`."""
+        ``checked`` capability): in the shared-memory header, else in one all_gather of a
+        fixed-size record per rank, the words then a payload of at most ``INLINE`` bytes.
+        The record's size never depends on the buffers, so ranks that disagree still meet
+        in one well-formed exchange, before any data collective. A small all_reduce (every
+        rank reduces the same rows in rank order: the same bits), all_gather or broadcast
+        rides whole in the payload; for those and a barrier the meeting is the collective."""
         if op == "all_reduce":
             buf, rop = args
             k = self._inline
@@ -277,7 +268,7 @@ class MPITransport:
 
     def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
         """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
-        the next call of that kind (one kind: a loop repeats one)."""
+        the next call of that kind (a loop repeats one)."""
         rec, n = self._records, buf.nbytes
         slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
         parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
@@ -289,8 +280,7 @@ class MPITransport:
         return kind
 
     def _reduce_inline(self, check: Check, k: _Inline, buf: np.ndarray) -> Work:
-        """A small all_reduce whole in its check's meeting: every rank's buffer rides in its
-        record, and every rank reduces the same rows in rank order (the same bits)."""
+        """A small all_reduce whole in its check's meeting (see :meth:`checked`)."""
         seq = self._seq
         self._seq = seq + 1
         k.slot[...] = buf
@@ -302,10 +292,9 @@ class MPITransport:
         return DONE
 
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
-        """All-gather every rank's check words and ``payload`` (a plain array of at most
-        ``INLINE`` bytes, or None; an inline all_reduce wrote its own) in one fixed-size
-        record; raise Disagreement unless the words agree. Return every rank's payload
-        bytes, a (size, INLINE) uint8 view."""
+        """All-gather the check records (``payload``: a plain array of at most ``INLINE``
+        bytes, or None); raise Disagreement unless the words agree. Return every rank's
+        payload bytes, a (size, INLINE) uint8 view."""
         rec = self._records
         mine, rows = rec[0], rec[1]
         w = check.words
@@ -340,14 +329,13 @@ class MPITransport:
         """Choose how all_reduce runs; return the choice ("mpi", "shm", "hierarchical", "auto").
 
         Collective, with the same arguments on every rank (checked: CollectiveMismatchError).
-        ``"auto"``: ``planner(world_ranks)`` (:func:`fuelspmd.cost.all_reduce_planner`)
-        gives the algorithm per size band with the reason, and a ``split`` plans its group
-        with it too; ``"shm"`` or ``"hierarchical"``: that path for ``min_bytes..max_bytes``
-        (shm: float32/float64/int32/int64, at most ``cap_bytes`` of window per rank;
-        hierarchical: split by ``nodes``, each rank's node index, else by shared memory);
-        ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot apply runs
-        MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then returns
-        "mpi". A split starts with MPI's own unless the policy is auto.
+        ``"auto"``: the planner's bands (:mod:`fuelspmd_mpi._policy`), and a ``split`` plans
+        its group with it too; ``"shm"`` or ``"hierarchical"``: that path for
+        ``min_bytes..max_bytes`` (shm: float32/float64/int32/int64, at most ``cap_bytes`` of
+        window per rank; hierarchical: split by ``nodes``, each rank's node index, else by
+        shared memory); ``"mpi"``: MPI's own, the windows and splits freed. A path that cannot
+        apply runs MPI's own and says why (:meth:`explain_all_reduce`); a manual choice then
+        returns "mpi". A split starts with MPI's own unless the policy is auto.
         """
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"set_all_reduce_policy: algorithm must be one of "
@@ -381,27 +369,23 @@ class MPITransport:
         self._free_shm()
         self._planner = planner if auto else None
         self._cap = int(cap_bytes)
-        if self.size == 1:
-            self._route = Route.of(b._replace(algorithm="mpi", reason="one rank: nothing to "
-                                              "reduce") for b in bands)
-            return "auto" if auto else "mpi"
         route = Route.of(bands)
-        if "shm" in route.algorithms:
+        if self.size > 1 and "shm" in route.algorithms:
             self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
-                                            timeout=self.timeout, late=self._shm_late)
+                                            owner=self)
             if self._shm is None:
                 route = route.without("shm", "does not apply: the ranks do not all share "
                                       "memory (a split per node can use it)")
-        if "hierarchical" in route.algorithms:
+        if self.size > 1 and "hierarchical" in route.algorithms:
             self._hier = Hierarchical.create(self._comm, MPI=self._MPI, owner=self,
                                              nodes=nodes)
             if self._hier is None:
                 route = route.without("hierarchical", "does not apply: the group is on one "
                                       "node, or its nodes hold different numbers of its ranks")
-        self._route = route
+        self._route = route  # one rank: never looked at (nothing to reduce)
         if auto:
             return "auto"
-        return algorithm if algorithm in route.algorithms else "mpi"
+        return algorithm if self.size > 1 and algorithm in route.algorithms else "mpi"
 
     def _choose(self, nbytes: int, dtype: Any) -> tuple[str, str]:
         """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
@@ -432,9 +416,7 @@ class MPITransport:
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
         """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes``
         of ``dtype`` is reduced as it lies (the ``lend`` capability), or None: another path
-        for that size or dtype, or no free area yet. Local: a class without a free area asks
-        for one, and its next all_reduce adds it on every rank after the header sync, where
-        all ranks are in one call of one size (:mod:`fuelspmd_mpi._shm`)."""
+        for that size or dtype, or no free area yet (:meth:`ShmAllReduce.lend`)."""
         key = (nbytes, dtype)
         ok = self._lend_for.get(key)
         if ok is None:
@@ -452,11 +434,6 @@ class MPITransport:
     def shared_window_bytes(self) -> int:
         """Bytes of shared window this rank holds for the shm all-reduce (0 when it is off)."""
         return 0 if self._shm is None else self._shm.allocated_bytes
-
-    def _shm_late(self, seq: int, limit: float) -> str:
-        what, hint = self.explain("all_reduce (shared memory)", seq)
-        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
-                f"raise the timeout (fs.init(timeout=...))")
 
     def _free_shm(self) -> None:
         """Free the shm windows and the node/rail splits; the route falls back to MPI."""

@@ -27,7 +27,8 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
 
-__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "local_reduce", "spin"]
+__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "late_text", "local_reduce",
+           "spin"]
 
 _BURST = 64  # polls between two reads of the clock: a small collective ends within a few
 _YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
@@ -53,7 +54,6 @@ class Types:
     """
 
     def __init__(self, MPI: Any) -> None:
-        self.MPI = MPI
         u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
         self.bf16 = to_numpy(bfloat16)
         self.move: dict[np.dtype, Any] = {
@@ -147,6 +147,14 @@ def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
             os.sched_yield()
 
 
+def late_text(owner: Any, op: str | tuple[str, int, int], seq: int, limit: float) -> str:
+    """The CommTimeoutError text of ``owner``'s operation ``seq`` that did not complete
+    within ``limit`` s (``owner.explain`` names it and who failed to join)."""
+    what, hint = owner.explain(op, seq)
+    return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
+            f"raise the timeout (fs.init(timeout=...) or wait(timeout))")
+
+
 class MPIWork:
     """A started MPI operation: ``test`` polls it, ``wait`` spins on it (:func:`spin`).
 
@@ -177,9 +185,7 @@ class MPIWork:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object((self._req, self._keep)))
 
     def _late(self, limit: float) -> str:
-        what, hint = self._owner.explain(self._op, self._seq)
-        return (f"{what} did not complete within {limit:g} s: {hint}; if it is only slow, "
-                f"raise the timeout (fs.init(timeout=...) or wait(timeout))")
+        return late_text(self._owner, self._op, self._seq, limit)
 
     def _complete(self) -> bool:
         self._req = None
@@ -191,8 +197,14 @@ class MPIWork:
         return True
 
     def _error(self, e: Exception) -> CommError:
+        """mpi4py's MPI.Exception as a CommError; its last line is MPI's own reason."""
         what, _ = self._owner.explain(self._op, self._seq)
-        return _comm_error(e, what)
+        text = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        if "truncat" in str(e).lower():
+            return CollectiveMismatchError(
+                f"{what}: the message sent is longer than the receive buffer ({text}); "
+                f"size the recv buffer to the number of elements the peer sends")
+        return CommError(f"{what}: MPI reported an error: {text}")
 
     def test(self) -> bool:
         """Return whether the operation completed (never blocks)."""
@@ -237,14 +249,3 @@ class MPIWork:
         self._finish = None
         self._keep = None
         return True
-
-
-def _comm_error(e: Exception, what: str) -> CommError:
-    """Turn mpi4py's MPI.Exception into a CommError; its last line is MPI's own reason."""
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    text = lines[-1].strip()
-    if "truncat" in str(e).lower():
-        return CollectiveMismatchError(
-            f"{what}: the message sent is longer than the receive buffer ({text}); "
-            f"size the recv buffer to the number of elements the peer sends")
-    return CommError(f"{what}: MPI reported an error: {text}")

@@ -33,9 +33,15 @@ new arguments and of the state, with no node or Tensor built per op, the collect
 issued by the same plan steps, in the same order (invariant 1), each through the
 transport and its guard with the transport's fresh sequence numbers (collectives built
 before the call are issued first, as the op table's ``replay`` hook asks). Carried state is
-updated in place: the node that holds a Parameter's value gets the new buffer (so a
-Tensor aliasing the old value sees the new one, as a TinyJit buffer; copy with
-``.numpy()`` to keep one). The returned tensors are new realised Tensors.
+updated in place: the node that holds a Parameter's value gets the new value (so a
+Tensor aliasing that node sees the new one, as a TinyJit buffer). The fs.compile call is
+the explicit donation of that state: a cell's old value is dead once the step replaces
+it, so the replay's plans take it as donated (as ``Tensor.donate``) and write the new
+value into the old buffer. A buffer handed out keeps its value: ``.numpy()`` (which does
+not copy) or a view of the value realised before the call (``w.T.realize()``) marks the
+node escaped, and that call puts its new value in a fresh buffer instead (torch's
+in-place step would change both). The returned tensors are new realised Tensors, and no
+later replay writes their buffers.
 
 What runs when, as ``jax.jit``: Python in ``fn`` runs while tracing only. Python that must
 run on every call goes through :func:`fuelspmd.tensor.host` (the optimisers' step count
@@ -54,6 +60,7 @@ function called while another is being traced runs as part of that trace.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +70,7 @@ from fuelspmd.backend import get_backend, to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
 from fuelspmd.graph.node import TRACE, Node, consume, leaf
-from fuelspmd.graph.plan import Start
+from fuelspmd.graph.plan import Start, donating
 from fuelspmd.tensor import Tensor, realize
 
 __all__ = ["Compiled", "compile"]
@@ -327,12 +334,17 @@ class _Capture:
 
 class _Replay:
     """A captured step: its segments' plans, how each finds its leaves, the state cells
-    it updates (weakly held: a cell nobody else holds was replaced from outside)."""
+    it updates (weakly held: a cell nobody else holds was replaced from outside).
+
+    Each segment's plan is made again with the leaves donated whose buffers die in it
+    (:func:`_donations`); ``plain`` keeps the plan as traced, run instead while a cell
+    such a plan would write has escaped (``Node.escaped``)."""
 
     def __init__(self, cap: _Capture) -> None:
         cells: dict[tuple[int, int], int] = {}
         held: list[Node] = []
         self.segments: list[tuple[Any, list[tuple[int, int, Any, int]]]] = []
+        self.plain: list[tuple[Any, list[int]] | None] = []  # (plan as traced, cells)
 
         def compiled(src: tuple[Any, ...]) -> tuple[int, Any, int]:
             kind = src[0]
@@ -350,9 +362,15 @@ class _Replay:
             return CONST, src[1].buffer, 0
 
         streams: dict[int, list[Any]] = {}  # per stream: [replay hook, attrs, count]
-        for seg in cap.segments:
+        for seg, slots in zip(cap.segments, _donations(cap)):
             feeds = [(v, *compiled(src)) for v, src in zip(seg.slots, seg.srcs)]
-            self.segments.append((seg.plan, feeds))
+            if slots:
+                watch = [b for v, kind, b, _ in feeds if kind == CARRY and v in slots]
+                self.segments.append((donating(seg.plan, sorted(slots)), feeds))
+                self.plain.append((seg.plan, watch))
+            else:
+                self.segments.append((seg.plan, feeds))
+                self.plain.append(None)
             for step in seg.plan.steps:
                 op = step.instr.op
                 if isinstance(step, Start) and op.replay is not None:
@@ -398,8 +416,14 @@ class _Replay:
                     cell_bufs[a] if kind == CARRY else held_bufs[a] if kind == HELD else
                     got[a] if kind == POSTED else a)
 
-        for s, (plan, feeds) in enumerate(self.segments):
+        escaped: list[Node] = []
+        for s, ((plan, feeds), plain) in enumerate(zip(self.segments, self.plain)):
             self._transfers(s, value, pending, got)
+            if plain is not None:
+                seen = [c for c in (cells[a] for a in plain[1]) if c.escaped]  # type: ignore[union-attr]
+                if seen:  # someone holds such a buffer: this time, fresh buffers
+                    plan = plain[0]
+                    escaped += seen  # type: ignore[arg-type]
             vals: list[Any] = [None] * plan.n_values
             for v, kind, a, b in feeds:
                 vals[v] = value(kind, a, b)
@@ -407,6 +431,8 @@ class _Replay:
         self._transfers(len(self.segments), value, pending, got)
         for cell, (s, k) in zip(cells, self.cell_keys):
             cell.buffer = results[s][k]  # type: ignore[union-attr]
+        for c in escaped:  # its new buffer is one nobody else has seen
+            c.escaped = False
         for t in tensors:  # the plans were made for these leaves donated: they are spent
             if t.node.donated:
                 consume(t.node)
@@ -429,6 +455,68 @@ class _Replay:
                 pending[k] = op.start(be, attrs, *(value(*src) for src in data))
             else:
                 got[k] = pending[k].finish()
+
+
+def _donations(cap: _Capture) -> list[set[int]]:
+    """Per segment, the value slots of the leaves a replay may donate to its plan.
+
+    A replay owns two kinds of buffer: a carried cell's value at the start of the call
+    (the call replaces it) and an output of an earlier segment of the call. Each value a
+    plan reads or returns has a *root*, the buffer it is (a view of): an argument, a held
+    or constant node, a cell's value at the start (``old``), or a buffer a segment
+    allocated (``new``; an output that is a view of a leaf has that leaf's root, a
+    collective's result is ``shared``: another device may hold it). A root is donated to
+    the last segment that reads it when that segment reads it through one leaf, and
+
+    - a ``new`` root only when nothing the call keeps (a cell's new value, a returned
+      tensor) has it and no posted transfer reads it: the buffer dies in that segment;
+    - a cell's ``old`` root only when the cell's value is a ``new`` root that no other cell
+      and no returned tensor has (so the buffer is the cell's alone) and nothing the call
+      keeps is a view of the old value; at run time also only while the cell's node has
+      not escaped (``Tensor.numpy``, a realised view of it: the caller holds the buffer).
+    """
+    out_roots: list[list[tuple[Any, ...]]] = []
+    feed_roots: list[list[tuple[Any, ...]]] = []
+
+    def root(src: tuple[Any, ...]) -> tuple[Any, ...]:
+        kind = src[0]
+        if kind == OUT:
+            return out_roots[src[1]][src[2]]
+        if kind == CARRY:
+            return ("old", src[1], src[2])
+        return (kind, src[1]) if kind in (ARG, POSTED) else (kind, id(src[1]))
+
+    for s, seg in enumerate(cap.segments):
+        roots = [root(src) for src in seg.srcs]
+        of_leaf = dict(zip(seg.slots, roots))
+        plan = seg.plan
+        out_roots.append([of_leaf[st] if st in of_leaf else
+                          ("new" if owned else "shared", s, st)
+                          for st, owned in zip(plan.out_storage, plan.out_owned)])
+        feed_roots.append(roots)
+    carried = [src for seg in cap.segments for src in seg.srcs if src[0] == CARRY]
+    cell_roots = {(src[1], src[2]): out_roots[src[1]][src[2]] for src in carried}
+    kept = Counter(cell_roots.values())
+    kept.update(root(src) for src in cap.outputs)
+    kept.update(root(src) for _, _, data in cap.posts for src in data)  # read while in flight
+    free = {r for seg in out_roots for r in seg if r[0] == "new" and not kept[r]}
+    for (s, k), r in cell_roots.items():
+        buf = cap.segments[s].outs[k].buffer
+        flags = getattr(buf, "flags", None)
+        if (r[0] == "new" and kept[r] == 1 and not kept[("old", s, k)]
+                and flags is not None and flags.c_contiguous and getattr(flags, "writeable", True)):
+            free.add(("old", s, k))
+    last: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
+    for s, (seg, roots) in enumerate(zip(cap.segments, feed_roots)):
+        here: dict[tuple[Any, ...], list[int]] = {}
+        for v, r in zip(seg.slots, roots):
+            here.setdefault(r, []).append(v)
+        last.update((r, (s, vs)) for r, vs in here.items())
+    donate: list[set[int]] = [set() for _ in cap.segments]
+    for r, (s, vs) in last.items():
+        if r in free and len(vs) == 1:
+            donate[s].add(vs[0])
+    return donate
 
 
 # ---- arguments and outputs -------------------------------------------------------------

@@ -99,7 +99,9 @@ class Tensor:
         if rec is not None:  # inside a compiled step's trace: the value would be baked
             rec.host_read(self)
         self.realize()
-        return to_host(self.node.buffer)
+        node = self.node
+        node.escaped = True  # the caller holds the buffer now (to_host copies nothing)
+        return to_host(node.buffer)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         """``np.asarray(t)`` realises ``t`` (asking numpy for the value is asking)."""

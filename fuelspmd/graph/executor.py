@@ -18,8 +18,9 @@ then hands each target its buffer and drops its inputs. Finding the plan:
 Effectful nodes (collectives) under the targets are computed once: the plan also outputs
 them and the executor marks them realised, so a later realise never issues them again. A
 leaf the caller donated (``Tensor.donate``) may be written by the plan and is spent after
-it. Live bytes are counted as the plan runs: buffers the executor allocated and still
-holds; leaves belong to the caller. ``peak_bytes`` of the last run is on the executor.
+it; a leaf an output is a view of is marked ``escaped`` (its buffer is shared from then).
+Live bytes are counted as the plan runs: buffers the executor allocated and still holds;
+leaves belong to the caller. ``peak_bytes`` of the last run is on the executor.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Binding:
     very node) or what a node met for the first time must look like.
     """
 
-    __slots__ = ("donated", "edges", "effects", "feeds", "leaves", "n", "targets")
+    __slots__ = ("donated", "edges", "effects", "feeds", "leaves", "n", "targets", "viewed")
 
     def __init__(self, targets: list[Node], leaves: list[Node], effects: list[Node]) -> None:
         slot = {id(t): i for i, t in enumerate(targets)}
@@ -73,6 +74,7 @@ class Binding:
         self.feeds: list[tuple[int, int]] = []  # (slot, value slot) of each leaf the plan reads
         self.donated = [slot[id(x)] for x in leaves if x.donated]  # spent after the run
         self.effects = [slot[id(x)] for x in effects]
+        self.viewed: list[int] = []  # the leaves an output is a view of (set by the executor)
 
     def bind(self, targets: list[Node]) -> list[Node] | None:
         """This plan's nodes in the graph under ``targets`` (unrealised nodes), or None if
@@ -221,6 +223,8 @@ class Executor:
         self.execute(plan, vals)
         for s in binding.donated:
             consume(bound[s])
+        for s in binding.viewed:  # the view shares the leaf's buffer: it escaped
+            bound[s].escaped = True
         outs = [plan.copy_preset(o) for o in plan.outs] if plan.presets else None
         for k, node in enumerate(targets + [bound[s] for s in binding.effects]):
             node.buffer = vals[plan.outs[k]] if outs is None or outs[k] is None else outs[k]
@@ -238,6 +242,8 @@ class Executor:
         plan = make_plan(ir, new_outs, leaf_pos)
         plan.binding = binding = Binding(targets, leaves, extra)
         binding.feeds = [(s, v) for s, v in zip(binding.leaves, plan.leaf_slots) if v >= 0]
+        leaf_of = {v: s for s, v in binding.feeds}
+        binding.viewed = [leaf_of[st] for st in plan.out_storage if st in leaf_of]
         self.cache.put(targets, plan)
         return plan
 

@@ -7,7 +7,8 @@ member has the root's shape) and the group's external inputs. Three runners:
   root's shape, in cache-sized row chunks (:class:`NumpyFused`). Registers are assigned
   like a register allocator: a member writes into one of its operands' buffers once that
   operand is dead, so a chain runs in ONE buffer; an external input that dies here (a
-  "donor") may lend its buffer too; an exported member keeps a buffer of its own.
+  "donor") may lend its buffer too; an exported member keeps a buffer no other member
+  writes (its own, or a donor's it took over).
 - cupy: one generated ``ElementwiseKernel`` per group (:func:`cupy_source`).
 - any other Array API library: the members' own kernels, one after another.
 """
@@ -74,7 +75,8 @@ def build_program(ir: list[Instr], members: list[int], ext: list[int], donors: s
 
     ``donors`` are external values that die at this step and whose buffers may be
     overwritten (only given on numpy). ``exports`` are members that later steps read too:
-    each gets a full buffer of its own that no other member writes.
+    each gets a full buffer that no other member writes: its own, or that of a donor that
+    dies at it.
     """
     exports = exports or set()
     prog = Program()
@@ -108,8 +110,9 @@ def build_program(ir: list[Instr], members: list[int], ext: list[int], donors: s
         for i, u in enumerate(ins.ins):
             t = temp_of.get(u, -1)
             if (t >= 0 and last_use[u] == pos and i in (ins.op.inplace_ok or ())
-                    and prog.temps[t] is ins.dtype and u not in exports and m not in exports):
-                dest = t
+                    and prog.temps[t] is ins.dtype and u not in exports
+                    and (m not in exports or t in prog.donor_of)):
+                dest = t  # an export may take only a full-size (donor's) buffer
                 break
         if dest < 0 and m not in exports:
             dest = next((t for t in free if prog.temps[t] is ins.dtype), -1)
@@ -163,8 +166,8 @@ class NumpyFused:
         lead = shape[0] if shape else 1
         rows = max(1, CHUNK_ELEMENTS // max(row, 1))
         self.rows = rows if shape and lead > rows else 0
-        self.full_new = [prog.root_temp] if prog.root_temp not in prog.donor_of else []
-        self.full_new += [t for _, t in prog.exports]
+        self.full_new = [t for t in [prog.root_temp, *(t for _, t in prog.exports)]
+                         if t not in prog.donor_of]
         self.scratch = [t for t in prog.new_temps if t not in self.full_new]
         self.scratch_shape: Shape = ((min(rows, lead), *shape[1:]) if self.rows else shape)
         full = [*prog.donor_of, *self.full_new]

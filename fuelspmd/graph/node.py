@@ -40,8 +40,8 @@ TRACE = _Trace()
 class Node:
     """One value of the graph; see the module docstring."""
 
-    __slots__ = ("__weakref__", "attrs", "buffer", "device", "donated", "dtype", "inputs", "mark",
-                 "op", "shape")
+    __slots__ = ("__weakref__", "attrs", "buffer", "device", "donated", "dtype", "escaped",
+                 "inputs", "mark", "op", "shape")
 
     def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: Attrs, shape: Shape,
                  dtype: DType, device: Device, buffer: Any = None) -> None:
@@ -53,6 +53,9 @@ class Node:
         self.device = device
         self.buffer = buffer
         self.donated = False  # a leaf the caller gave up: the next realise may write it
+        # the buffer was handed out (Tensor.numpy, a realised view of it): nothing may
+        # write it, so a compiled replay puts this node's next value in a fresh buffer
+        self.escaped = False
         self.mark = 0  # the last plan binding that reached it (executor)
 
     @property

@@ -29,9 +29,10 @@ Memory plan, decided here once per plan:
   group hands one array to every device), so it is never reused;
 - released buffers go to a pool keyed by (elements, dtype) only when a later step will
   allocate that key (simulated here), else they are dropped at once;
-- a fused step may write into an owned input that dies at that step (a *donor*), and an
-  in-place collective or an op with an in-place kernel (``put``) may take over such an
-  input's buffer;
+- a fused step may write into an owned input that dies at that step, or into a reshape
+  of one (all of its buffer, in order): a *donor*, whose buffer the root or an export
+  may keep; an in-place collective or an op with an in-place kernel (``put``) may take
+  over such an input's buffer;
 - a fused step may also write members that later steps read (*exports*), so a chain of
   values saved for the backward is still one pass over memory.
 """
@@ -39,7 +40,6 @@ Memory plan, decided here once per plan:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +51,11 @@ from fuelspmd.dtypes import DType, to_numpy
 from .fused import NumpyFused, Program, build_program, cupy_kernel, run_generic, scalar_for
 from .passes import Instr
 
-__all__ = ["Fused", "Kernel", "Matmul", "Plan", "Start", "Step", "Wait", "joins_bucket",
-           "make_plan"]
+__all__ = ["WHOLE_VIEWS", "Fused", "Kernel", "Matmul", "Plan", "Start", "Step", "Wait",
+           "donating", "joins_bucket", "make_plan"]
 
 PoolKey = tuple[int, DType]
+WHOLE_VIEWS = frozenset({"reshape", "detach"})  # a view that is all of its input, in order
 
 
 class Memory:
@@ -337,6 +338,9 @@ class Plan:
     outs: tuple[int, ...]
     nbytes: list[int]  # bytes of each value
     n_fused_ops: int
+    ir: list[Instr]  # what it was made from (:func:`donating` plans it again)
+    out_storage: tuple[int, ...]  # per output, the value slot of the buffer it is (a view) of
+    out_owned: tuple[bool, ...]  # per output, whether that buffer is one the plan allocated
     binding: Any = None  # how it finds its nodes in a graph (executor.Binding)
 
     def copy_preset(self, slot: int) -> Any | None:
@@ -437,10 +441,24 @@ def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...
             steps.append(Kernel(v, ins.ins, ins, be,
                                 owns=ins.op.kind != "view" and not ins.op.effectful))
     steps = _schedule(_buckets(steps))
-    _plan_memory(ir, steps, outs)
+    storage, owned = _plan_memory(ir, steps, outs)
     n_fused = sum(len(s.prog.code) for s in steps if isinstance(s, Fused) and s.prog)
     return Plan(n, leaf_slots, presets, steps, outs, [i.size * i.dtype.itemsize for i in ir],
-                n_fused)
+                n_fused, ir, tuple(storage[o] for o in outs),
+                tuple(owned[storage[o]] for o in outs))
+
+
+def donating(plan: Plan, slots: list[int]) -> Plan:
+    """``plan``'s graph planned again with the leaves in value ``slots`` donated (the
+    executor may write their buffers, as a caller's ``Tensor.donate``); the value slots
+    are the same, so the leaves are fed as they are to ``plan``."""
+    ir = list(plan.ir)
+    for v in slots:
+        ins = ir[v]
+        if ins.op.kind != "leaf":
+            raise RuntimeError(f"donating: value {v} is a {ins.op.name}, not a leaf")
+        ir[v] = Instr(ins.op, (), (True,), ins.shape, ins.dtype, ins.device)
+    return make_plan(ir, plan.outs, plan.leaf_slots)
 
 
 def joins_bucket(head: Any, x: Any, nbytes: int) -> int:
@@ -557,14 +575,18 @@ def _schedule(steps: list[Step]) -> list[Step]:
     return order
 
 
-def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> None:
-    """Decide donors, releases, drops and pooling (see the module docstring)."""
+def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]
+                 ) -> tuple[list[int], list[bool]]:
+    """Decide donors, releases, drops and pooling (see the module docstring); return each
+    value's storage and whether each storage is a buffer the plan allocates."""
     n = len(ir)
     storage = list(range(n))
     owned = [False] * n  # buffers the executor allocated
+    whole = [True] * n  # the value is all of its storage, in its order
     for s in steps:
         if s.instr.op.kind == "view":
             storage[s.out] = storage[s.ins[0]]
+            whole[s.out] = whole[s.ins[0]] and s.instr.op.name in WHOLE_VIEWS
         elif not s.instr.op.effectful:  # a collective's result may be shared: never reused
             owned[s.out] = True
         for e in s.exports:
@@ -581,24 +603,27 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
     store_last = [-1] * n
     for v in range(n):
         store_last[storage[v]] = max(store_last[storage[v]], last[v])
+
+    def may_write(u: int, at: int, s: Step) -> bool:
+        """Whether step ``s`` (at ``at``) may write ``u``'s buffer: the executor owns it,
+        no output aliases it, every alias of it is dead after ``at``, ``s`` reads it once
+        and ``u`` is the whole of it (a write into ``u`` is a write into its storage)."""
+        r = storage[u]
+        return (writable[r] and not pinned[r] and store_last[r] == at and whole[u]
+                and sum(storage[x] == r for x in s.ins) == 1)
+
     for i, s in enumerate(steps):
         if isinstance(s, Fused):
             donors: set[int] = set()
             if s.backend.kind == "cpu":
-                aliases = Counter(storage[u] for u in s.ins)
-                donors = {u for u in s.ins if storage[u] == u and writable[u] and not pinned[u]
-                          and store_last[u] == i and aliases[u] == 1
-                          and ir[u].shape == s.instr.shape}
+                donors = {u for u in s.ins if ir[u].shape == s.instr.shape
+                          and may_write(u, i, s)}
             s.compile(ir, donors)
         elif (isinstance(s, Start) and len(s.members) == 1 and s.instr.op.inplace_ok
               and s.ins):
-            u = s.ins[0]  # it lives until the wait
-            s.donate = (storage[u] == u and writable[u] and not pinned[u]
-                        and store_last[u] == s.pair and sum(storage[x] == u for x in s.ins) == 1)
+            s.donate = may_write(s.ins[0], s.pair, s)  # its input lives until the wait
         elif isinstance(s, Kernel) and s.owns and s.instr.op.writes_input:
-            u = s.ins[0]  # the same rule as a fused step's donor: dies here, read once
-            s.donate = (storage[u] == u and writable[u] and not pinned[u]
-                        and store_last[u] == i and sum(storage[x] == u for x in s.ins) == 1)
+            s.donate = may_write(s.ins[0], i, s)
     # simulate the pool: a released buffer is kept only for a later allocation of its key
     remaining: dict[PoolKey, int] = {}
     for s in steps:
@@ -612,23 +637,30 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
             return True
         return False
 
+    def take_over(s: Step, u: int, drop: bool) -> None:
+        """A result of ``s`` takes over ``u``'s buffer: its storage is never released
+        (the result's own release frees it) and, when ``drop``, no slot keeps it."""
+        r = storage[u]
+        store_last[r] = -2
+        if drop:
+            s.drop.append(u)
+            if r != u and ir[r].op.kind != "leaf":
+                s.drop.append(r)
+
     for i, s in enumerate(steps):
         for k in s.allocs():
             remaining[k] -= 1
             if pooled.get(k, 0):
                 pooled[k] -= 1
-        if isinstance(s, Start) and s.donate:  # the result takes over its input's buffer
-            store_last[s.ins[0]] = -2
-        if isinstance(s, Kernel) and s.donate:  # as a fused root over its donor
-            store_last[s.ins[0]] = -2
-            s.drop.append(s.ins[0])
+        if isinstance(s, (Start, Kernel)) and s.donate:
+            take_over(s, s.ins[0], isinstance(s, Kernel))  # a start's input waits for it
         if isinstance(s, Fused) and s.runner is not None and s.prog is not None:
+            prog = s.prog
             part = math.prod(s.runner.scratch_shape)
-            s.scratch_pool = [keep((part, s.prog.temps[t]), s) for t in s.runner.scratch]
-            if s.prog.root_temp in s.prog.donor_of:  # the output takes over the donor's buffer
-                donor = s.ins[s.prog.donor_of[s.prog.root_temp]]
-                store_last[donor] = -2
-                s.drop.append(donor)
+            s.scratch_pool = [keep((part, prog.temps[t]), s) for t in s.runner.scratch]
+            for t in [prog.root_temp, *(t for _, t in prog.exports)]:
+                if t in prog.donor_of:  # the root or an export takes over a donor's buffer
+                    take_over(s, s.ins[prog.donor_of[t]], True)
         for u in set(s.ins):
             r = storage[u]
             if store_last[r] == i and owned[r] and not pinned[r]:
@@ -642,3 +674,4 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]) -> N
                 # a reference that goes (a leaf's buffer is its node's; after the last step
                 # the values go at once): owned storages are dropped by their release
                 s.drop.append(u)
+    return storage, owned

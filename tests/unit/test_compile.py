@@ -7,6 +7,7 @@ import gc
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -221,6 +222,111 @@ def test_a_donated_argument_is_written_in_place_and_spent() -> None:
     kept = step(pages, fs.tensor(np.array([5], np.int64)), fs.tensor(np.ones((1, 2), np.float32)))
     assert step.traces == 3 and kept.node.buffer is not pages.node.buffer
     np.testing.assert_array_equal(pages.numpy(), want)  # undonated: left as it was
+
+
+def _realised_step(w: nn.Parameter, opt: optim.Optimizer) -> Any:
+    """As :func:`_sgd_step`, the loss realised with the gradients (as the bench's step):
+    else the returned loss is computed again, after the update, from the old weight."""
+    def step(x: fs.Tensor, y: fs.Tensor) -> fs.Tensor:
+        loss = ((x @ w - y) ** 2).mean()
+        grads = fs.grad(loss, [w])
+        fs.realize(loss, *grads)
+        opt.step(grads)
+        return loss
+    return step
+
+
+def _adamw_run(calls: int, between: Any = None) -> tuple[list[float], np.ndarray, Any]:
+    """``calls`` compiled AdamW steps of the linear model; ``between(w, i)`` runs before
+    call ``i``. The losses, the final weight and the step."""
+    w, opt, x, y = _linear()
+    step = fs.compile(_realised_step(w, opt))
+    losses = []
+    for i in range(calls):
+        if between is not None:
+            between(w, i)
+        losses.append(float(step(x, y).numpy()))
+    return losses, w.numpy().copy(), step
+
+
+def _buffers(w: nn.Parameter, opt: optim.Optimizer) -> list[Any]:
+    """The arrays holding the weight and the optimiser's moments (read from the nodes:
+    nothing handed out, so nothing escapes)."""
+    (st, _), = opt._flat  # type: ignore[misc]
+    return [w.node.buffer, *(v.node.buffer for v in st.values())]
+
+
+def test_a_replay_writes_the_carried_state_in_place() -> None:
+    """On replay the old value of every carried cell is dead once the step replaces it:
+    the plans take the weight's and the moments' buffers as donated and write the new
+    values into them; the numbers stay those of the uncompiled step."""
+    w, opt, x, y = _linear()
+    step = fs.compile(_realised_step(w, opt))
+    for _ in range(4):
+        step(x, y)
+    assert step.replays == 1
+    before = _buffers(w, opt)
+    for _ in range(3):
+        step(x, y)
+        after = _buffers(w, opt)
+        assert all(np.shares_memory(a, b) for a, b in zip(after, before))
+    w2, opt2, _, _ = _linear()
+    plain = _realised_step(w2, opt2)
+    for _ in range(7):
+        plain(x, y)
+    np.testing.assert_array_equal(w.numpy(), w2.numpy())
+
+
+def test_a_value_handed_out_before_a_replay_keeps_its_value() -> None:
+    """``w.numpy()`` and a realised view of ``w`` share its buffer: the replay after gives
+    the weight a fresh buffer instead of writing that one (the next replays write in
+    place again), so a copy taken as the docs say is never changed under the caller."""
+    kept: dict[int, tuple[np.ndarray, np.ndarray, fs.Tensor]] = {}
+
+    def hand_out(w: nn.Parameter, i: int) -> None:
+        if i in (5, 6):
+            host = w.numpy()
+            view = fs.Tensor(w.node).T.realize()
+            kept[i] = (host, host.copy(), view)
+
+    losses, final, _ = _adamw_run(9, hand_out)
+    assert losses == _adamw_run(9)[0]
+    for host, copy, view in kept.values():
+        np.testing.assert_array_equal(host, copy)
+        np.testing.assert_array_equal(view.numpy(), copy.T)
+        assert not np.array_equal(host, final)
+
+
+@pytest.mark.parametrize("returns", ["new", "old and new"])
+def test_outputs_of_a_replay_are_not_changed_by_the_next(returns: str) -> None:
+    """A tensor a replay returns that is a carried value (new, old, or a view of one) is
+    the caller's: no later replay writes its buffer. (A traced call returns the state's
+    own node, which every replay updates, as the module docstring says.)"""
+    w, opt, x, y = _linear()
+    inner = _realised_step(w, opt)
+
+    def step(x: fs.Tensor, y: fs.Tensor) -> tuple[fs.Tensor, ...]:
+        old = fs.Tensor(w.node)
+        loss = inner(x, y)
+        if returns == "new":
+            return loss, fs.Tensor(w.node)
+        return loss, old, old.T, fs.Tensor(w.node), fs.Tensor(w.node).reshape(-1)
+
+    compiled = fs.compile(step)
+    outs = []
+    for _ in range(7):
+        replays = compiled.replays
+        got = compiled(x, y)
+        if compiled.replays > replays:
+            outs.append((got, [t.numpy().copy() for t in got]))
+    assert len(outs) >= 4
+    for got, values in outs:
+        for t, v in zip(got, values):
+            np.testing.assert_array_equal(t.numpy(), v)
+    for k in range(1, len(outs)):  # each call's old value is the call before's new one
+        values, earlier = outs[k][1], outs[k - 1][1]
+        if returns != "new":
+            np.testing.assert_array_equal(values[1], earlier[3])
 
 
 def test_a_compiled_function_inside_another_is_part_of_its_trace() -> None:

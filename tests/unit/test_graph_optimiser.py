@@ -99,6 +99,24 @@ def test_fused_step_writes_into_a_dying_input_buffer() -> None:
     np.testing.assert_allclose(out.ravel(), np.tanh(3.0) * 2)
 
 
+def test_a_fused_step_writes_its_outputs_into_donated_leaves_and_their_reshapes() -> None:
+    """A donated leaf read through a reshape (all of its buffer, in order) lends that
+    buffer to the root, and a donated leaf that dies at an exported member lends its
+    buffer to that export: the step allocates nothing."""
+    n = 1 << 12
+    xa, ma = np.arange(n, dtype=np.float64), np.full((n // 4, 4), 3.0)
+    x, m = fs.tensor(xa.copy()).donate(), fs.tensor(ma.copy()).donate()
+    xbuf, mbuf = x.node.buffer, m.node.buffer
+    m_new = m * 0.5 + 1.0  # an output, and read again below: an export
+    y = x.reshape(n // 4, 4) * 2.0 + m_new.sqrt()
+    ex = graph.Executor()
+    ex.realize([y.node, m_new.node])
+    assert ex.allocations == 0
+    assert np.shares_memory(y.node.buffer, xbuf) and np.shares_memory(m_new.node.buffer, mbuf)
+    np.testing.assert_array_equal(m_new.numpy(), ma * 0.5 + 1.0)
+    np.testing.assert_array_equal(y.numpy(), xa.reshape(n // 4, 4) * 2.0 + np.sqrt(ma * 0.5 + 1.0))
+
+
 def test_released_buffers_are_reused_by_later_steps() -> None:
     n = 64
     rng = np.random.default_rng(0)

@@ -70,7 +70,7 @@ from fuelspmd.backend import get_backend, to_host
 from fuelspmd.errors import ConfigError
 from fuelspmd.graph.executor import default_executor, recording
 from fuelspmd.graph.node import TRACE, Node, consume, leaf
-from fuelspmd.graph.plan import Start, donating
+from fuelspmd.graph.plan import Memory, Start, donating
 from fuelspmd.tensor import Tensor, realize
 
 __all__ = ["Compiled", "compile"]
@@ -338,7 +338,8 @@ class _Replay:
 
     Each segment's plan is made again with the leaves donated whose buffers die in it
     (:func:`_donations`); ``plain`` keeps the plan as traced, run instead while a cell
-    such a plan would write has escaped (``Node.escaped``)."""
+    such a plan would write has escaped (``Node.escaped``). ``memory`` keeps the buffers
+    the segments release for the next replay (:class:`~fuelspmd.graph.plan.Memory`)."""
 
     def __init__(self, cap: _Capture) -> None:
         cells: dict[tuple[int, int], int] = {}
@@ -385,6 +386,10 @@ class _Replay:
         self.events: list[list[tuple[int, int]]] = [[] for _ in range(len(cap.segments) + 1)]
         for at, what, k in cap.events:
             self.events[at].append((what, k))
+        caps: Counter[tuple[int, Any]] = Counter()
+        for plan, _ in self.segments:
+            caps.update(plan.allocs)
+        self.memory = Memory(dict(caps))  # one pool: a segment's outputs die in a later one
         self.outputs = [compiled(src) for src in cap.outputs]
         self.devices = cap.devices
         order = sorted(cells, key=cells.__getitem__)
@@ -395,7 +400,7 @@ class _Replay:
 
     def run(self, tensors: list[Tensor], run_values: Any = None) -> Any:
         """The step's outputs for these arguments, or ``_STALE`` (nothing run) when a
-        state node is gone. ``run_values(plan, vals)`` runs a plan (the default
+        state node is gone. ``run_values(plan, vals, memory)`` runs a plan (the default
         executor's; a bench passes a stand-in to time the rest alone)."""
         cells = [r() for r in self.cells]
         held = [r() for r in self.held]
@@ -419,15 +424,16 @@ class _Replay:
         escaped: list[Node] = []
         for s, ((plan, feeds), plain) in enumerate(zip(self.segments, self.plain)):
             self._transfers(s, value, pending, got)
+            mem: Memory | None = self.memory
             if plain is not None:
                 seen = [c for c in (cells[a] for a in plain[1]) if c.escaped]  # type: ignore[union-attr]
                 if seen:  # someone holds such a buffer: this time, fresh buffers
-                    plan = plain[0]
+                    plan, mem = plain[0], None
                     escaped += seen  # type: ignore[arg-type]
             vals: list[Any] = [None] * plan.n_values
             for v, kind, a, b in feeds:
                 vals[v] = value(kind, a, b)
-            results.append(run_values(plan, vals))
+            results.append(run_values(plan, vals, mem))
         self._transfers(len(self.segments), value, pending, got)
         for cell, (s, k) in zip(cells, self.cell_keys):
             cell.buffer = results[s][k]  # type: ignore[union-attr]

@@ -24,6 +24,7 @@ from fuelspmd import functional as F
 from fuelspmd import graph, nn, optim
 from fuelspmd.bench import Column, interleave, median, parser, print_json, print_table, time_calls
 from fuelspmd.graph.executor import default_executor
+from fuelspmd.graph.plan import Memory
 
 __all__ = ["main", "make_step", "nodes_of"]
 
@@ -100,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         args_ = [x.node.buffer, t.node.buffer]
         cells = [r().buffer for r in replay.cells]  # type: ignore[union-attr]
         held = [r().buffer for r in replay.held]  # type: ignore[union-attr]
-        fixed = [(plan, [(v, kind == 1, a, b) if kind == 1 else
-                         (v, False, args_[a] if kind == 0 else cells[a] if kind == 2 else
-                          held[a] if kind == 3 else a, 0) for v, kind, a, b in feeds])
-                 for plan, feeds in replay.segments]
+        # the plans as traced (those the replay runs write and free the state's buffers,
+        # which the same buffers fed again would alias), their buffers kept as a replay's
+        memory = Memory(replay.memory.caps)
+        fixed = [(plan if plain is None else plain[0],
+                  [(v, kind == 1, a, b) if kind == 1 else
+                   (v, False, args_[a] if kind == 0 else cells[a] if kind == 2 else
+                    held[a] if kind == 3 else a, 0) for v, kind, a, b in feeds])
+                 for (plan, feeds), plain in zip(replay.segments, replay.plain)]
 
         def plans_alone() -> list[list[Any]]:
             """The captured plans over buffers found once: kernels and the step loop."""
@@ -112,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                 vals: list[Any] = [None] * plan.n_values
                 for v, earlier, a, b in feeds:
                     vals[v] = results[a][b] if earlier else a
-                results.append(run_values(plan, vals))
+                results.append(run_values(plan, vals, memory))
             return results
 
         # each plan's outputs of one run: what the stand-in hands the replay
-        outs = {id(plan): res for (plan, _), res in zip(fixed, plans_alone())}
+        outs = {id(plan): res for (plan, _), res in zip(replay.segments, plans_alone())}
 
-        def stand_in(plan: Any, vals: list[Any]) -> list[Any]:
+        def stand_in(plan: Any, vals: list[Any], mem: Any) -> list[Any]:
             return outs[id(plan)]
 
         tensors = [x, t]

@@ -255,21 +255,28 @@ class Executor:
                 vals[slot] = node.buffer
         return self.run_values(plan, vals)
 
-    def run_values(self, plan: Plan, vals: list[Any]) -> list[Any]:
+    def run_values(self, plan: Plan, vals: list[Any], mem: Memory | None = None
+                   ) -> list[Any]:
         """Execute ``plan`` over ``vals`` (the leaves' buffers already in their value slots,
         as ``plan.binding.feeds`` places them); return the outputs: the targets, then the
-        effectful nodes. No node is read or made (a compiled step's replay)."""
-        self.execute(plan, vals)
+        effectful nodes. No node is read or made (a compiled step's replay, which passes
+        the ``mem`` it keeps for the plan)."""
+        self.execute(plan, vals, mem)
         if not plan.presets:
             return [vals[o] for o in plan.outs]
         # a folded constant belongs to the plan: hand out a copy the caller may modify
         return [vals[o] if (c := plan.copy_preset(o)) is None else c for o in plan.outs]
 
-    def execute(self, plan: Plan, vals: list[Any]) -> None:
-        """Run ``plan``'s steps over ``vals`` (its leaves' buffers in their slots)."""
+    def execute(self, plan: Plan, vals: list[Any], mem: Memory | None = None) -> None:
+        """Run ``plan``'s steps over ``vals`` (its leaves' buffers in their slots), with the
+        buffers of ``mem`` (a pool kept across runs of this plan) or of this run alone."""
         for slot, arr, _ in plan.presets:
             vals[slot] = arr
-        mem = Memory()
+        if mem is None:
+            mem = Memory()
+            mem.live = mem.peak = plan.owned_bytes
+        else:
+            mem.start(plan.owned_bytes)
         nbytes = plan.nbytes
         for s in plan.steps:
             s.run(vals, mem)

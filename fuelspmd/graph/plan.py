@@ -40,6 +40,7 @@ Memory plan, decided here once per plan:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,7 @@ from fuelspmd.dtypes import DType, to_numpy
 from .fused import NumpyFused, Program, build_program, cupy_kernel, run_generic, scalar_for
 from .passes import Instr
 
-__all__ = ["WHOLE_VIEWS", "Fused", "Kernel", "Matmul", "Plan", "Start", "Step", "Wait",
+__all__ = ["WHOLE_VIEWS", "Fused", "Kernel", "Matmul", "Memory", "Plan", "Start", "Step", "Wait",
            "donating", "joins_bucket", "make_plan"]
 
 PoolKey = tuple[int, DType]
@@ -59,14 +60,31 @@ WHOLE_VIEWS = frozenset({"reshape", "detach"})  # a view that is all of its inpu
 
 
 class Memory:
-    """Buffers of one run: a pool of released ones by (elements, dtype), and live bytes."""
+    """Buffers of one run: a pool of released ones by (elements, dtype), and live bytes.
 
-    __slots__ = ("allocations", "live", "peak", "pool")
+    With ``caps`` (a plan's :attr:`Plan.allocs`), the buffers of every run of one plan:
+    each released contiguous buffer of a key the plan allocates is kept, up to the plan's
+    allocations of that key per run, so a later run takes it instead of a fresh one (a
+    compiled step's replays fault no page in again). A released buffer is dead for the
+    plan (no output, no live value aliases it), so handing it out again is safe; outputs
+    are never released. Kept this way, the pool holds at most one buffer per allocation
+    the plan makes that was live at once, not one per run.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("allocations", "caps", "kept", "live", "peak", "pool")
+
+    def __init__(self, caps: dict[tuple[int, Any], int] | None = None) -> None:
         self.pool: dict[tuple[int, Any], list[Any]] = {}
+        self.caps = caps
+        self.kept = 0  # bytes in the pool
         self.live = 0
         self.peak = 0
+        self.allocations = 0
+
+    def start(self, given: int) -> None:
+        """Count a new run: what the pool holds and the ``given`` bytes (of leaves the
+        executor owns) are live, nothing is allocated yet."""
+        self.live = self.peak = self.kept + given
         self.allocations = 0
 
     def alloc(self, shape: tuple[int, ...], dt: Any, nbytes: int) -> Any:
@@ -74,6 +92,7 @@ class Memory:
         free = self.pool.get((size, dt))
         if free:
             buf = free.pop()
+            self.kept -= buf.nbytes
             return buf if buf.shape == shape else buf.reshape(shape)
         self.own(nbytes)
         return np.empty(shape, dt)
@@ -85,10 +104,16 @@ class Memory:
             self.peak = self.live
 
     def release(self, arr: Any, pool: bool, nbytes: int) -> None:
-        if pool and arr.flags.c_contiguous:
-            self.pool.setdefault((arr.size, arr.dtype), []).append(arr)
-        else:
-            self.live -= nbytes
+        """Take back a dead buffer; ``pool``: a later step of this run allocates its key."""
+        if arr.flags.c_contiguous:
+            key = (arr.size, arr.dtype)
+            caps = self.caps
+            free = self.pool.setdefault(key, [])
+            if pool if caps is None else len(free) < caps.get(key, 0):
+                free.append(arr)
+                self.kept += arr.nbytes
+                return
+        self.live -= nbytes
 
 
 class Step:
@@ -339,6 +364,9 @@ class Plan:
     nbytes: list[int]  # bytes of each value
     n_fused_ops: int
     ir: list[Instr]  # what it was made from (:func:`donating` plans it again)
+    allocs: dict[tuple[int, Any], int]  # buffers a run takes from the pool, by (size, dtype)
+    owned_leaves: tuple[int, ...]  # leaves whose buffers are the executor's (donating)
+    owned_bytes: int  # their bytes
     out_storage: tuple[int, ...]  # per output, the value slot of the buffer it is (a view) of
     out_owned: tuple[bool, ...]  # per output, whether that buffer is one the plan allocated
     binding: Any = None  # how it finds its nodes in a graph (executor.Binding)
@@ -397,8 +425,11 @@ def _is_fill(ins: Instr) -> bool:
     return ins.op.kind == "const" and ins.value is None
 
 
-def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...]) -> Plan:
-    """Schedule ``ir``: one step per value that needs a buffer, in topological order."""
+def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...],
+              owned_leaves: tuple[int, ...] = ()) -> Plan:
+    """Schedule ``ir``: one step per value that needs a buffer, in topological order;
+    ``owned_leaves``: the value slots of leaves whose buffers are the executor's outright
+    (see :func:`donating`)."""
     users = _users(ir)
     group_of, groups = _groups(ir, users)
     out_set = set(outs)
@@ -441,24 +472,24 @@ def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...
             steps.append(Kernel(v, ins.ins, ins, be,
                                 owns=ins.op.kind != "view" and not ins.op.effectful))
     steps = _schedule(_buckets(steps))
-    storage, owned = _plan_memory(ir, steps, outs)
+    storage, owned = _plan_memory(ir, steps, outs, owned_leaves)
     n_fused = sum(len(s.prog.code) for s in steps if isinstance(s, Fused) and s.prog)
+    allocs = Counter((size, to_numpy(dt)) for s in steps for size, dt in s.allocs())
     return Plan(n, leaf_slots, presets, steps, outs, [i.size * i.dtype.itemsize for i in ir],
-                n_fused, ir, tuple(storage[o] for o in outs),
-                tuple(owned[storage[o]] for o in outs))
+                n_fused, ir, dict(allocs), owned_leaves,
+                sum(ir[v].size * ir[v].dtype.itemsize for v in owned_leaves),
+                tuple(storage[o] for o in outs), tuple(owned[storage[o]] for o in outs))
 
 
 def donating(plan: Plan, slots: list[int]) -> Plan:
-    """``plan``'s graph planned again with the leaves in value ``slots`` donated (the
-    executor may write their buffers, as a caller's ``Tensor.donate``); the value slots
-    are the same, so the leaves are fed as they are to ``plan``."""
-    ir = list(plan.ir)
-    for v in slots:
-        ins = ir[v]
-        if ins.op.kind != "leaf":
-            raise RuntimeError(f"donating: value {v} is a {ins.op.name}, not a leaf")
-        ir[v] = Instr(ins.op, (), (True,), ins.shape, ins.dtype, ins.device)
-    return make_plan(ir, plan.outs, plan.leaf_slots)
+    """``plan``'s graph planned again with the leaves in value ``slots`` owned by the
+    executor, as the buffers it allocates (a compiled replay's values that die in the
+    plan): it may write them, and one that dies untaken goes back to the pool. The value
+    slots are the same, so the leaves are fed as they are to ``plan``."""
+    bad = [v for v in slots if plan.ir[v].op.kind != "leaf"]
+    if bad:
+        raise RuntimeError(f"donating: values {bad} are not leaves")
+    return make_plan(plan.ir, plan.outs, plan.leaf_slots, tuple(sorted(slots)))
 
 
 def joins_bucket(head: Any, x: Any, nbytes: int) -> int:
@@ -575,13 +606,15 @@ def _schedule(steps: list[Step]) -> list[Step]:
     return order
 
 
-def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...]
-                 ) -> tuple[list[int], list[bool]]:
+def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...],
+                 owned_leaves: tuple[int, ...]) -> tuple[list[int], list[bool]]:
     """Decide donors, releases, drops and pooling (see the module docstring); return each
     value's storage and whether each storage is a buffer the plan allocates."""
     n = len(ir)
     storage = list(range(n))
-    owned = [False] * n  # buffers the executor allocated
+    owned = [False] * n  # buffers the executor allocated (or was given outright)
+    for v in owned_leaves:
+        owned[v] = True
     whole = [True] * n  # the value is all of its storage, in its order
     for s in steps:
         if s.instr.op.kind == "view":

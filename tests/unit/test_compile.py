@@ -329,6 +329,39 @@ def test_outputs_of_a_replay_are_not_changed_by_the_next(returns: str) -> None:
             np.testing.assert_array_equal(values[1], earlier[3])
 
 
+def test_a_replay_reuses_the_buffers_the_last_one_released() -> None:
+    """Every replay of a step takes its intermediates from the buffers the replay before
+    released (its pool stays the same size), never from a tensor a replay returned: the
+    activations each call returns keep their values through later calls."""
+    w, opt, x, y = _linear()
+
+    def step(x: fs.Tensor, y: fs.Tensor) -> tuple[fs.Tensor, ...]:
+        h = x @ w
+        act = (h * 2.0).tanh()
+        loss = ((act - y) ** 2).mean()
+        grads = fs.grad(loss, [w])
+        fs.realize(loss, h, act, *grads)
+        opt.step(grads)
+        return loss, h, act, h.T
+
+    compiled = fs.compile(step)
+    for _ in range(3):
+        compiled(x, y)
+    (entry,) = compiled._entries.values()
+    memory = entry.replay.memory  # type: ignore[union-attr]
+    outs, kept = [], []
+    for _ in range(6):
+        got = compiled(x, y)
+        outs.append((got, [t.numpy().copy() for t in got]))
+        kept.append(memory.kept)
+    assert compiled.replays == 6
+    assert kept[0] > 0 and len(set(kept)) == 1
+    for got, values in outs:
+        for t, v in zip(got, values):
+            np.testing.assert_array_equal(t.numpy(), v)
+    assert not np.array_equal(outs[0][1][1], outs[-1][1][1])  # the weight moved
+
+
 def test_a_compiled_function_inside_another_is_part_of_its_trace() -> None:
     def run(compiled: bool) -> list[float]:
         w, opt, x, y = _linear()

@@ -102,7 +102,7 @@ def test_fused_step_writes_into_a_dying_input_buffer() -> None:
 def test_a_fused_step_writes_its_outputs_into_donated_leaves_and_their_reshapes() -> None:
     """A donated leaf read through a reshape (all of its buffer, in order) lends that
     buffer to the root, and a donated leaf that dies at an exported member lends its
-    buffer to that export: the step allocates nothing."""
+    buffer to that export: the step allocates only its scratch (the square root's)."""
     n = 1 << 12
     xa, ma = np.arange(n, dtype=np.float64), np.full((n // 4, 4), 3.0)
     x, m = fs.tensor(xa.copy()).donate(), fs.tensor(ma.copy()).donate()
@@ -111,7 +111,7 @@ def test_a_fused_step_writes_its_outputs_into_donated_leaves_and_their_reshapes(
     y = x.reshape(n // 4, 4) * 2.0 + m_new.sqrt()
     ex = graph.Executor()
     ex.realize([y.node, m_new.node])
-    assert ex.allocations == 0
+    assert ex.allocations == 1
     assert np.shares_memory(y.node.buffer, xbuf) and np.shares_memory(m_new.node.buffer, mbuf)
     np.testing.assert_array_equal(m_new.numpy(), ma * 0.5 + 1.0)
     np.testing.assert_array_equal(y.numpy(), xa.reshape(n // 4, 4) * 2.0 + np.sqrt(ma * 0.5 + 1.0))

@@ -104,10 +104,11 @@ class Memory:
             self.peak = self.live
 
     def release(self, arr: Any, pool: bool, nbytes: int) -> None:
-        """Take back a dead buffer; ``pool``: a later step of this run allocates its key."""
-        if arr.flags.c_contiguous:
+        """Take back a dead buffer; ``pool``: a later step of this run allocates its key
+        (the pool holds numpy arrays only: ``alloc`` hands them to numpy steps)."""
+        caps = self.caps
+        if (pool or caps is not None) and type(arr) is np.ndarray and arr.flags.c_contiguous:
             key = (arr.size, arr.dtype)
-            caps = self.caps
             free = self.pool.setdefault(key, [])
             if pool if caps is None else len(free) < caps.get(key, 0):
                 free.append(arr)

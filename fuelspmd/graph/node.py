@@ -124,7 +124,7 @@ def mark_realised(node: Node, buffer: Any) -> None:
     node.inputs = ()
 
 
-def post(node: Node, pending: Any, data: tuple[Node, ...] = ()) -> None:
+def post(node: Node, pending: Any, data: tuple[Node, ...]) -> None:
     """Mark effectful ``node`` as issued ahead of any realise: ``pending.finish()`` gives
     its value, which :func:`finish` collects when a realise first needs it (its order
     tokens are dropped: it is issued). ``data``: the nodes whose buffers it was started

@@ -16,6 +16,7 @@ member has the root's shape) and the group's external inputs. Three runners:
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -159,7 +160,11 @@ class NumpyFused:
 
     def __init__(self, prog: Program, ext_shapes: list[Shape]) -> None:
         self.prog = prog
-        self.fns = [numpy_fn(ins.op.name, ins.op.ufunc or "") for ins, _, _ in prog.code]
+        # each member as (function, getter of its operand registers then its output's):
+        # ``fn(*get(regs))`` passes ``out`` by position, which every ufunc and the two
+        # helpers above take, and is the cheapest call numpy has for a chunk
+        self.calls = [(numpy_fn(ins.op.name, ins.op.ufunc or ""),
+                       operator.itemgetter(*args, dest)) for ins, args, dest in prog.code]
         self.base = prog.n_ext + len(prog.scalars)
         shape = prog.shape
         row = math.prod(shape[1:]) if shape else 1
@@ -178,21 +183,21 @@ class NumpyFused:
 
     def run(self, regs: list[Any]) -> Any:
         """Run with ``regs`` filled (inputs, scalars, temps); return the root's array."""
-        code, fns = self.prog.code, self.fns
+        calls = self.calls
         if not self.rows:
-            for fn, (_, args, dest) in zip(fns, code):
-                fn(*[regs[i] for i in args], out=regs[dest])
+            for fn, get in calls:
+                fn(*get(regs))
             return regs[self.base + self.prog.root_temp]
-        lead, view = self.prog.shape[0], list(regs)
-        for r0 in range(0, lead, self.rows):
-            r1 = min(lead, r0 + self.rows)
+        lead, rows, view = self.prog.shape[0], self.rows, list(regs)
+        for r0 in range(0, lead, rows):
+            r1 = r0 + rows
             for i in self.sliced:
                 view[i] = regs[i][r0:r1]
-            if r1 - r0 < self.rows:
+            if r1 > lead:  # the last chunk is short: so are its scratch temps
                 for i in self.scratch_regs:
-                    view[i] = regs[i][: r1 - r0]
-            for fn, (_, args, dest) in zip(fns, code):
-                fn(*[view[i] for i in args], out=view[dest])
+                    view[i] = regs[i][: lead - r0]
+            for fn, get in calls:
+                fn(*get(view))
         return regs[self.base + self.prog.root_temp]
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from fuelspmd_mpi._work import MPIWork, ReducePlan, divide
+from fuelspmd_mpi._work import MPIWork, ReducePlan, divide, slices
 
 __all__ = ["Hierarchical"]
 
@@ -34,11 +34,8 @@ class Hierarchical:
     """The split communicators of one group and its hierarchical all-reduce."""
 
     def __init__(self, intra: Any, inter: Any, *, MPI: Any, owner: Any) -> None:
-        self._MPI = MPI
-        self.intra = intra
-        self.inter = inter
-        self._owner = owner
-        self.per_node: int = intra.Get_size()
+        self._MPI, self._owner = MPI, owner
+        self.intra, self.inter = intra, inter
 
     @classmethod
     def create(cls, comm: Any, *, MPI: Any, owner: Any,
@@ -67,10 +64,9 @@ class Hierarchical:
         """Reduce the C-contiguous ``buf`` over the group in place; blocking, each step's
         wait calling ``watch`` every slice (see ``MPITransport.all_reduce``)."""
         flat = buf.reshape(-1)
-        g, r = self.per_node, self.intra.Get_rank()
-        base, extra = divmod(flat.size, g)
-        counts = [base + (k < extra) for k in range(g)]
-        displs = [k * base + min(k, extra) for k in range(g)]
+        g, r = self.intra.Get_size(), self.intra.Get_rank()
+        displs = slices(flat.size, g)
+        counts = [displs[k + 1] - displs[k] for k in range(g)]
         dt = plan.datatype
         piece = np.empty(counts[r], flat.dtype)
         owner = self._owner
@@ -81,7 +77,7 @@ class Hierarchical:
             MPIWork(self.inter.Iallreduce(self._MPI.IN_PLACE, [piece, dt], plan.mpi_op),
                     owner, "all_reduce (hierarchical: inter-node all_reduce)", seq,
                     keep=piece).wait(watch=watch)
-        MPIWork(self.intra.Iallgatherv([piece, dt], [flat, (counts, displs), dt]),
+        MPIWork(self.intra.Iallgatherv([piece, dt], [flat, (counts, displs[:g]), dt]),
                 owner, "all_reduce (hierarchical: intra-node all_gather)", seq,
                 keep=(flat, piece)).wait(watch=watch)
         if plan.avg:

@@ -77,7 +77,7 @@ import numpy as np
 from fuelspmd.backend import tracked
 from fuelspmd.errors import CollectiveMismatchError
 from fuelspmd.transport import Check, Disagreement, ReduceOp
-from fuelspmd_mpi._work import UFUNCS, divide, late_text, spin
+from fuelspmd_mpi._work import UFUNCS, divide, late_text, slices, spin
 
 __all__ = ["MIN_CLASS", "PIPE_MIN", "SHM_DTYPES", "ShmAllReduce", "Window", "size_class"]
 
@@ -114,18 +114,13 @@ def _shm_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _bounds(count: int, n: int) -> list[int]:
-    base, extra = divmod(count, n)
-    return [k * base + min(k, extra) for k in range(n + 1)]
-
-
 class Window:
-    """One shared window: ``nbytes`` per rank, every rank's segment mapped (``segs``, uint8),
-    held under a ``Lock_all`` epoch until :meth:`free`. Making and freeing it is collective
-    over the node. ``uses`` counts the copy-in calls through it (their result areas
-    alternate)."""
+    """One shared window: ``nbytes`` per rank, every rank's segment mapped (``segs``, uint8).
+    ``uses`` counts the copy-in calls through it (their result areas alternate). ``held``:
+    of a lent window, a weak reference to the one array its area was handed out as (every
+    view of the area derives from that array, so it is alive while any view is)."""
 
-    __slots__ = ("nbytes", "segs", "uses", "win")
+    __slots__ = ("held", "nbytes", "segs", "uses", "win")
 
     def __init__(self, MPI: Any, node: Any, nbytes: int) -> None:
         info = MPI.Info.Create()
@@ -139,6 +134,7 @@ class Window:
             raise RuntimeError("this MPI gave a shared window the separate memory model; "
                                "the shared-memory all-reduce relies on the unified one")
         self.nbytes, self.uses = nbytes, 0
+        self.held: weakref.ref[np.ndarray] | None = None
         self.segs = [np.frombuffer(self.win.Shared_query(k)[0], np.uint8, nbytes)
                      for k in range(node.Get_size())]
         self.win.Lock_all(MPI.MODE_NOCHECK)
@@ -151,14 +147,12 @@ class Window:
 
 def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dests: list[np.ndarray],
          also: np.ndarray) -> None:
-    """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)``.
+    """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)`` into
+    ``also`` (the caller's slice ``[lo, hi)``) and every array of ``dests`` (indexed from 0).
 
-    The result goes to ``also`` (the caller's slice ``[lo, hi)``) and to every array of
-    ``dests``, indexed from 0, in chunks that keep the partial result in cache. ``also``
-    may be this rank's own input at the same indices and ``dests`` the peers' (a chunk is
-    read before it is written): with two ranks the fold writes ``also`` elementwise, with
-    more a later step would read an overwritten input, so a scratch buffer takes it.
-    """
+    ``also`` may be this rank's own input at the same indices (a chunk is read before it is
+    written): with two ranks the fold writes it elementwise, with more a later step would
+    read an overwritten input, so a scratch buffer takes the partial result."""
     if hi <= lo:
         return
     ufunc, n = UFUNCS[op], len(srcs)
@@ -193,12 +187,8 @@ def _mismatch(heads: list[list[int]], rank: int, seq: int) -> NoReturn:
 
 
 class ShmAllReduce:
-    """The shared-memory all-reduce of one single-node group (see the module docstring).
-
-    ``timeout`` (the transport ``owner``'s) bounds one sync, and ``owner`` names the
-    operation in its CommTimeoutError. ``pipelined``: sizes from ``PIPE_MIN`` take the
-    chunked path (every rank has a core of its own; agreed by all ranks).
-    """
+    """The shared-memory all-reduce of one single-node group (the module docstring); the
+    transport ``owner``'s timeout bounds one sync, and ``owner`` names it in a timeout."""
 
     def __init__(self, node: Any, *, MPI: Any, cap_bytes: int, owner: Any) -> None:
         self._MPI, self._node, self._owner = MPI, node, owner
@@ -207,9 +197,6 @@ class ShmAllReduce:
         self.timeout: float = owner.timeout
         self._copy: dict[int, Window] = {}  # size class -> its copy-in window
         self._lent: dict[int, list[Window]] = {}  # size class -> its lent windows
-        # per lent window, a weak reference to the one array its area was handed out as
-        # (every view of it derives from that array, so it is alive while any view is)
-        self._held: dict[int, list[weakref.ref[np.ndarray] | None]] = {}
         self._asked: set[int] = set()  # classes whose areas were all held when asked
         self._pipe_win: Window | None = None
         self._calls = self._syncs = self._pipe_chunks = self._slow_left = 0
@@ -219,9 +206,8 @@ class ShmAllReduce:
         self._flag = Window(MPI, node, _FLAG_WORDS * 8)
         self._flags = [s.view(np.int64) for s in self._flag.segs]
         self._flags[self.rank][:] = 0
-        # agreed by all ranks: pipelining needs a core per rank (a spinning waiter holds
-        # the core its peer needs otherwise: then yield at once); the cap is a quarter of
-        # the least free /dev/shm any rank saw, over the ranks (none when unknown)
+        # agreed by all ranks: a core each to pipeline (else a sync yields at once), and a
+        # cap of a quarter of the least free /dev/shm any rank saw, over the ranks
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         free = _shm_free()
@@ -229,6 +215,7 @@ class ShmAllReduce:
                           np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
+        self._pipe_bytes = 2 * _CHUNK + 2 * _part(_CHUNK, self.size)  # two slots, two results
         self._spin_s = _SPIN_S if self.pipelined else 0.0
         self.cap_bytes, self.cap_note = min(int(cap_bytes), int(agreed[1]) // (4 * self.size)), ""
         if self.cap_bytes < int(cap_bytes):
@@ -253,15 +240,11 @@ class ShmAllReduce:
         return (sum(self._copy) + sum(c * len(ws) for c, ws in self._lent.items())
                 + (0 if self._pipe_win is None else self._pipe_win.nbytes))
 
-    def _pipe_seg(self) -> int:
-        return 2 * _CHUNK + 2 * _part(_CHUNK, self.size)
-
     def fits(self, nbytes: int) -> bool:
         """Whether an all-reduce of ``nbytes`` can run here under the cap: its class fits, or
         it is pipelined (whose slots are small)."""
-        if self.pipelined and nbytes >= PIPE_MIN and self._pipe_seg() <= self.cap_bytes:
-            return True
-        return size_class(nbytes) <= self.cap_bytes
+        return size_class(nbytes) <= self.cap_bytes or (
+            self.pipelined and nbytes >= PIPE_MIN and self._pipe_bytes <= self.cap_bytes)
 
     # -- lent areas ----------------------------------------------------------------------
 
@@ -270,11 +253,10 @@ class ShmAllReduce:
         None, which asks for one more (or the class's first): the class's next all_reduce
         adds it on every rank. Local."""
         cls = size_class(nbytes)
-        held = self._held.get(cls, [])
-        for i, ref in enumerate(held):
-            if ref is None or ref() is None:
-                area = tracked(self._lent[cls][i].segs[self.rank])
-                held[i] = weakref.ref(area)
+        for w in self._lent.get(cls, ()):
+            if w.held is None or w.held() is None:
+                area = tracked(w.segs[self.rank])
+                w.held = weakref.ref(area)
                 return area
         self._asked.add(cls)
         return None
@@ -286,46 +268,45 @@ class ShmAllReduce:
         base = flat.base
         if base is None or not flat.size:
             return 0
-        for i, ref in enumerate(self._held.get(size_class(flat.nbytes), ())):
-            if ref is not None and ref() is base:
+        for i, w in enumerate(self._lent.get(size_class(flat.nbytes), ())):
+            if w.held is not None and w.held() is base:
                 return i + 1 if np.shares_memory(flat[:1], base[:1]) else 0
         return 0
 
     def lent(self, buf: np.ndarray) -> bool:
         """Whether ``buf`` is a view of a lent area (at any offset)."""
         base = buf.base
-        return base is not None and any(ref is not None and ref() is base
-                                        for refs in self._held.values() for ref in refs)
+        return base is not None and any(w.held is not None and w.held() is base
+                                        for ws in self._lent.values() for w in ws)
 
     def _grow(self, cls: int) -> None:
         """Add a lent window to ``cls`` (some rank asked: every rank read it in the headers)
         when the cap leaves room for it and for the class's copy-in window."""
-        ws, held = self._lent.setdefault(cls, []), self._held.setdefault(cls, [])
+        ws = self._lent.setdefault(cls, [])
         room = self.cap_bytes - self.allocated_bytes - (0 if cls in self._copy else cls)
         if len(ws) < LENT_MAX and cls <= room:
             ws.append(Window(self._MPI, self._node, cls))
-            held.append(None)
         elif not ws:  # nothing fits: the class stays unlent
-            del self._lent[cls], self._held[cls]
+            del self._lent[cls]
 
     # -- syncs ---------------------------------------------------------------------------
 
-    def _sync(self, win: Any, seq: int, check: Check | None = None) -> None:
-        """Wait until every rank reached this phase boundary: a flag handshake fenced by
-        ``Win.Sync`` of ``win`` (a memory barrier) on both sides."""
-        win.Sync()
+    def _sync(self, seq: int, check: Check | None = None) -> None:
+        """Wait until every rank reached this phase boundary (flag 0, raised at each)."""
         self._syncs += 1
         self._raise_and_wait(0, self._syncs, seq, check)
-        win.Sync()
 
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; spin until every rank's is >= ``k``, within
         the deadline (CommTimeoutError naming the ranks whose flag never rose), calling
-        ``check.watch``; the flag window's ``Win.Sync`` on both sides fences the data too."""
-        flags = self._flags
+        ``check.watch``. The flag window's ``Win.Sync`` fences the data windows too (a memory
+        barrier of the process, whichever window it names): this rank's data stores land
+        before its flag, and its peers' flags are read before their data."""
+        flags, fence = self._flags, self._flag.win.Sync
+        fence()
         flags[self.rank][slot] = k
-        self._flag.win.Sync()
+        fence()
 
         def late(limit: float) -> str:
             missing = [j for j, f in enumerate(flags) if f[slot] < k]
@@ -335,7 +316,7 @@ class ShmAllReduce:
         self._waited += spin(lambda: all(f[slot] >= k for f in flags),
                              self.timeout if check is None else min(self.timeout, check.timeout),
                              late, None if check is None else check.watch, self._spin_s)
-        self._flag.win.Sync()
+        fence()
 
     # -- the all-reduce ------------------------------------------------------------------
 
@@ -354,7 +335,7 @@ class ShmAllReduce:
         pipe = self.pipelined and nbytes >= PIPE_MIN
         slow = pipe and self._slow_left > 0
         self._slow_left -= slow
-        bounds = _bounds(count, n)
+        bounds = slices(count, n)
         lo, hi = bounds[r], bounds[r + 1]
         # the copy-in window exists on every rank or on none; one that exists is filled
         # before the first sync when this call surely takes the copy-in path
@@ -366,7 +347,7 @@ class ShmAllReduce:
         words = (0, 0, 0) if check is None else check.words
         self._flags[r][3:13] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
                                 want, slow)
-        self._sync(self._flag.win, seq, check)
+        self._sync(seq, check)
         heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
         if check is not None and not check.agrees([h[4:7] for h in heads]):
             raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:7] for h in heads])
@@ -377,7 +358,7 @@ class ShmAllReduce:
             segs = [ws[h[7] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
             fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
                  segs[r][lo:hi])
-            self._sync(ws[placed - 1].win, seq)
+            self._sync(seq)
         elif pipe and not any(h[9] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
@@ -391,7 +372,7 @@ class ShmAllReduce:
             if not ready:
                 if not copied:
                     self._copy_in(w, flat, lo, hi)
-                self._sync(w.win, seq)
+                self._sync(seq)
             part = _part(cls, n)
             at = cls + (w.uses % 2) * part  # this call's result areas
             w.uses += 1
@@ -399,7 +380,7 @@ class ShmAllReduce:
                    for k, s in enumerate(w.segs)]
             fold([flat if k == r else s[:nbytes].view(dt) for k, s in enumerate(w.segs)],
                  lo, hi, op, [res[r]], flat[lo:hi])
-            self._sync(w.win, seq)
+            self._sync(seq)
             for k in range(n):
                 if k != r:
                     flat[bounds[k]:bounds[k + 1]] = res[k]
@@ -416,8 +397,8 @@ class ShmAllReduce:
     def _pipe(self) -> Window | None:
         """The pipelined path's window (made on first use, collective): per rank two input
         slots of ``_CHUNK`` bytes and two result slots; None when over the cap."""
-        if self._pipe_win is None and self.allocated_bytes + self._pipe_seg() <= self.cap_bytes:
-            self._pipe_win = Window(self._MPI, self._node, self._pipe_seg())
+        if self._pipe_win is None and self.allocated_bytes + self._pipe_bytes <= self.cap_bytes:
+            self._pipe_win = Window(self._MPI, self._node, self._pipe_bytes)
         return self._pipe_win
 
     def _pipelined(self, flat: np.ndarray, op: ReduceOp, seq: int) -> None:
@@ -433,7 +414,7 @@ class ShmAllReduce:
                     for s in segs] for i in (0, 1)]
         for c0 in range(0, count, step):
             chunk = flat[c0:c0 + step]
-            b = _bounds(chunk.size, n)
+            b = slices(chunk.size, n)
             lo, hi = b[r], b[r + 1]
             self._pipe_chunks += 1
             k = self._pipe_chunks
@@ -457,13 +438,13 @@ class ShmAllReduce:
         unmapped under it: then every rank keeps its lent windows and returns them (the
         ranks agree first: freeing is collective); the caller keeps them referenced.
         """
-        held = np.array([any(h is not None and h() is not None
-                             for hs in self._held.values() for h in hs)], np.int8)
-        self._node.Allreduce(self._MPI.IN_PLACE, held, self._MPI.MAX)
         lent = [w for ws in self._lent.values() for w in ws]
+        held = np.array([any(w.held is not None and w.held() is not None for w in lent)],
+                        np.int8)
+        self._node.Allreduce(self._MPI.IN_PLACE, held, self._MPI.MAX)
         pipe = [] if self._pipe_win is None else [self._pipe_win]
         for w in [*self._copy.values(), *([] if held[0] else lent), *pipe, self._flag]:
             w.free()
-        self._copy, self._lent, self._held, self._pipe_win = {}, {}, {}, None
+        self._copy, self._lent, self._pipe_win = {}, {}, None
         self._node.Free()
         return lent if held[0] else []

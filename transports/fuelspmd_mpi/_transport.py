@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -112,7 +113,6 @@ class MPITransport:
         self._route = _MPI_ONLY
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
-        self._cuda_aware: tuple[bool, str] | None = None  # asked on the first GPU buffer
         self._records = _records(self.size)  # _meet's buffers and views, reused
         self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
 
@@ -150,30 +150,18 @@ class MPITransport:
         return (f"{op} #{seq} {where}", "a rank of the group never joined it, or joined a "
                 "different collective (every rank must issue the same collectives in order)")
 
-    @property
+    @cached_property
     def cuda_aware(self) -> tuple[bool, str]:
         """Whether this MPI library reads GPU memory itself, and how that was decided."""
-        if self._cuda_aware is None:
-            self._cuda_aware = cuda_aware(self._MPI)
-        return self._cuda_aware
+        return cuda_aware(self._MPI)
 
-    def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...],
-                *extra: Any) -> Work | None:
-        """Non-numpy buffers: None to go on (CUDA-aware MPI), the Work on pinned host
-        copies, or DeviceError (:mod:`fuelspmd_mpi._staging`)."""
+    def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...], *extra: Any,
+                send_factor: int = 1, recv_factor: int = 1) -> Work | None:
+        """Buffers that are not plain numpy: check_buffers' error, DeviceError, None to go
+        on (CUDA-aware MPI), or the Work on pinned host copies (:mod:`fuelspmd_mpi._staging`)."""
+        check_buffers(op, self.size, *bufs, send_factor=send_factor, recv_factor=recv_factor)
         return stage(getattr(self, op), bufs, outs, *extra, op=op,
                      aware=lambda: self.cuda_aware[0])
-
-    def _check2(self, op: str, send: Any, recv: Any, send_factor: int, recv_factor: int,
-                *extra: Any) -> Work | None:
-        if not (_plain(send, self._move) and _plain(recv, self._move)
-                and send.dtype == recv.dtype
-                and recv.size * send_factor == send.size * recv_factor
-                and send.size % send_factor == 0):
-            check_buffers(op, self.size, send, recv, send_factor=send_factor,
-                          recv_factor=recv_factor)
-            return self._staged(op, (send, recv), (1,), *extra)
-        return None
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``,
@@ -181,13 +169,12 @@ class MPITransport:
         return self._all_reduce(buf, op, None)
 
     def checked(self, check: Check, op: str, *args: Any) -> Work:
-        """The collective ``op(*args)`` whose ranks first compare ``check.words`` (the
-        ``checked`` capability): in the shared-memory header, else in one all_gather of a
-        fixed-size record per rank, the words then a payload of at most ``INLINE`` bytes.
-        The record's size never depends on the buffers, so ranks that disagree still meet
-        in one well-formed exchange, before any data collective. A small all_reduce (every
-        rank reduces the same rows in rank order: the same bits), all_gather or broadcast
-        rides whole in the payload; for those and a barrier the meeting is the collective."""
+        """The ``checked`` capability: the words meet in the shared-memory header, else in
+        one all_gather of a fixed-size record per rank (the words, then a payload of at most
+        ``INLINE`` bytes) that ranks which disagree still complete alike. A small all_reduce
+        (every rank reduces the same rows in rank order: the same bits), all_gather or
+        broadcast rides whole in the payload; for those and a barrier the meeting is the
+        collective."""
         if op == "all_reduce":
             buf, rop = args
             k = self._inline
@@ -226,7 +213,6 @@ class MPITransport:
         plan = (self._plans[op._value_].get(buf.dtype)
                 if type(buf) is _ndarray and buf.flags.c_contiguous else None)
         if plan is None:
-            check_buffers("all_reduce", self.size, buf)
             if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:
                 if check is not None:  # the host copy is reduced; its words meet first
                     self._meet(check, self._seq, "all_reduce")
@@ -465,31 +451,16 @@ class MPITransport:
         """Reduce ``send`` (``n * size``) over the group; block ``rank`` lands in ``recv``."""
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(op)
-        if (staged := self._check2("reduce_scatter", send, recv, self.size, 1, op)) is not None:
-            return staged
-        plan = self._types.plan(send.dtype, op, "reduce_scatter")
-        seq = self._next()
-        if recv.size == 0:
-            return DONE
-        if self.size == 1:
-            recv.reshape(-1)[...] = send.reshape(-1)
-            return DONE
-        src, dst = ((send, recv) if plan.stage is None
-                    else (send.astype(plan.stage), np.empty(recv.size, plan.stage)))
-        req = self._comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
-                                               plan.mpi_op)
-        return MPIWork(req, self, "reduce_scatter", seq, self._finish(dst, recv, plan.avg),
-                       (src, dst, recv))
+        return self._blocks("reduce_scatter", send, recv, self.size, 1, op)
 
     def all_gather(self, send: Any, recv: Any) -> Work:
         """Gather every rank's ``send`` (``n``) into ``recv`` (``n * size``), in rank order."""
-        return self._exchange("all_gather", send, recv, 1, self._comm.Iallgather)
+        return self._blocks("all_gather", send, recv, 1, self.size)
 
     def broadcast(self, buf: Any, root: int) -> Work:
         """Copy ``root``'s ``buf`` into every rank's ``buf``."""
         check_peer("broadcast", root, self.size, what="root")
         if not _plain(buf, self._move):
-            check_buffers("broadcast", self.size, buf)
             if (staged := self._staged("broadcast", (buf,), (0,), root)) is not None:
                 return staged
         seq = self._next()
@@ -500,22 +471,37 @@ class MPITransport:
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
         """Send block ``r`` of ``send`` to rank ``r``; block ``r`` of ``recv`` comes from r."""
-        return self._exchange("all_to_all", send, recv, self.size, self._comm.Ialltoall)
+        return self._blocks("all_to_all", send, recv, self.size, self.size)
 
-    def _exchange(self, op: str, send: Any, recv: Any, send_factor: int,
-                  start: Callable[[Any, Any], Any]) -> Work:
-        """all_gather and all_to_all: data moved as it is (no reduction), ``recv`` holding
-        ``size`` blocks; one rank (or nothing to move) completes without MPI."""
-        if (staged := self._check2(op, send, recv, send_factor, self.size)) is not None:
-            return staged
+    def _blocks(self, op: str, send: Any, recv: Any, send_factor: int, recv_factor: int,
+                *reduce: ReduceOp) -> Work:
+        """reduce_scatter (``reduce``: its op), all_gather and all_to_all, whose ``send``
+        and ``recv`` sizes are in the ratio of the factors; one rank (or nothing to move)
+        completes without MPI."""
+        if not (_plain(send, self._move) and _plain(recv, self._move)
+                and send.dtype == recv.dtype
+                and recv.size * send_factor == send.size * recv_factor
+                and send.size % send_factor == 0):
+            staged = self._staged(op, (send, recv), (1,), *reduce, send_factor=send_factor,
+                                  recv_factor=recv_factor)
+            if staged is not None:
+                return staged
+        plan = self._types.plan(send.dtype, reduce[0], op) if reduce else None
         seq = self._next()
         if send.size == 0:
             return DONE
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return DONE
-        spec = self._types.spec
-        return MPIWork(start(spec(send), spec(recv)), self, op, seq, keep=(send, recv))
+        if plan is None:
+            spec = self._types.spec
+            start = self._comm.Iallgather if op == "all_gather" else self._comm.Ialltoall
+            return MPIWork(start(spec(send), spec(recv)), self, op, seq, keep=(send, recv))
+        src, dst = ((send, recv) if plan.stage is None
+                    else (send.astype(plan.stage), np.empty(recv.size, plan.stage)))
+        req = self._comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
+                                               plan.mpi_op)
+        return MPIWork(req, self, op, seq, self._finish(dst, recv, plan.avg), (src, dst, recv))
 
     def barrier(self) -> Work:
         """Complete once every rank of the group has entered the barrier."""
@@ -538,7 +524,6 @@ class MPITransport:
             raise ConfigError(f"{op}: tag {tag!r} is outside 0..{self.tag_bound}, the tags this "
                               f"MPI library allows; use a smaller non-negative tag")
         if not _plain(buf, self._move):
-            check_buffers(op, self.size, buf)
             if (staged := self._staged(op, (buf,), (0,) if op == "recv" else (), peer,
                                        tag)) is not None:
                 return staged
@@ -574,9 +559,8 @@ class MPITransport:
         transport over the same COMM_WORLD."""
         self._free_shm()
         MPI = self._MPI
-        comm = self._comm
-        if comm != MPI.COMM_NULL and comm != MPI.COMM_WORLD and comm != MPI.COMM_SELF:
-            comm.Free()
+        if self._comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
+            self._comm.Free()
 
     def abort(self, code: int = 1) -> NoReturn:
         """Flush stdio and end every rank of the job with ``code`` (``MPI_Abort``)."""

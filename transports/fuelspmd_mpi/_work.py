@@ -25,10 +25,10 @@ import numpy as np
 
 from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
-from fuelspmd.transport import WATCH_S, ReduceOp, poll_until
+from fuelspmd.transport import WATCH_S, ReduceOp
 
 __all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "late_text", "local_reduce",
-           "spin"]
+           "slices", "spin"]
 
 _BURST = 64  # polls between two reads of the clock: a small collective ends within a few
 _YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
@@ -46,12 +46,8 @@ class ReducePlan(NamedTuple):
 
 
 class Types:
-    """The MPI datatypes and reduce plans of one MPI library, built once per transport.
-
-    A plan is a table lookup: ``reduce_as`` gives the MPI type a dtype is reduced in and
-    its stage (the 16-bit floats: float32), ``ops`` the MPI op per ReduceOp for numbers
-    and for bool (logical or / and).
-    """
+    """The MPI datatypes and reduce plans (the module docstring) of one MPI library: ``move``
+    and ``reduce_as`` by dtype, ``ops`` by ReduceOp for numbers and for bool."""
 
     def __init__(self, MPI: Any) -> None:
         u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
@@ -91,6 +87,13 @@ class Types:
         return found
 
 
+def slices(count: int, n: int) -> list[int]:
+    """The bounds of ``n`` slices of ``count`` elements: ``count // n`` each, the first
+    ``count % n`` one more; slice ``k`` is ``[b[k], b[k + 1])``."""
+    base, extra = divmod(count, n)
+    return [k * base + min(k, extra) for k in range(n + 1)]
+
+
 def divide(buf: np.ndarray, size: int) -> None:
     """Finish an avg in place: true division for floats, floor division for integers."""
     if buf.dtype.kind == "f":
@@ -100,9 +103,8 @@ def divide(buf: np.ndarray, size: int) -> None:
 
 
 def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndarray) -> None:
-    """Reduce the rows of ``parts`` (one per rank, rank order) into ``out`` as MPI would
-    for ``plan``: in rank order, so every rank that reduces the same rows gets the same
-    bits; 16-bit floats in float32 and rounded once; bool by logical or / and."""
+    """Reduce the rows of ``parts`` (one per rank) into ``out`` as MPI would for ``plan``,
+    in rank order: every rank that reduces the same rows gets the same bits."""
     if parts.dtype == np.bool_:
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
         ufunc.reduce(parts, axis=0, out=out)
@@ -243,9 +245,6 @@ class MPIWork:
         if req is None:
             return False
         req.Cancel()
-        poll_until(req.Test, time.monotonic() + timeout,
-                   lambda: f"cancelling: {self._late(timeout)}")
-        self._req = None
+        spin(req.Test, timeout, lambda limit: f"cancelling: {self._late(limit)}")
         self._finish = None
-        self._keep = None
-        return True
+        return self._complete()

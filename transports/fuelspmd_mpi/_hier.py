@@ -12,10 +12,9 @@ an intra-node all-gather of the slices. Each byte crosses the network once per r
 wins when the network is much slower than the node (:mod:`fuelspmd.cost`, hierarchical).
 
 The three steps are MPI's own non-blocking collectives, each waited under the transport's
-deadline (a rank that never joins gives CommTimeoutError naming the step). Slices are
-``count // G`` elements, the first ``count % G`` ranks of a node one more. Results: the
-association differs from MPI's single all-reduce, so floats agree to rounding, integers
-exactly.
+deadline (a rank that never joins gives CommTimeoutError naming the step); the slices are
+:func:`~fuelspmd_mpi._work.slices` of ``count`` over ``G``. Results: the association
+differs from MPI's single all-reduce, so floats agree to rounding, integers exactly.
 """
 
 from __future__ import annotations
@@ -40,11 +39,9 @@ class Hierarchical:
     @classmethod
     def create(cls, comm: Any, *, MPI: Any, owner: Any,
                nodes: Sequence[int] | None = None) -> Hierarchical | None:
-        """Split ``comm`` by node (``nodes[rank]``, else MPI's shared-memory split); None
-        when the group is on one node or its nodes hold different numbers of its ranks.
-
-        Collective over ``comm``; every rank returns the same kind of answer.
-        """
+        """Split ``comm`` by node (``nodes[rank]``, else MPI's shared-memory split); None, on
+        every rank alike, when the group is on one node or its nodes hold different numbers
+        of its ranks. Collective over ``comm``."""
         rank = comm.Get_rank()
         if nodes is None:
             intra = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -59,7 +56,7 @@ class Hierarchical:
             return None
         return cls(intra, inter, MPI=MPI, owner=owner)
 
-    def all_reduce(self, buf: np.ndarray, plan: ReducePlan, seq: int, size: int,
+    def all_reduce(self, buf: np.ndarray, plan: ReducePlan, seq: int,
                    watch: Callable[[], None] | None = None) -> None:
         """Reduce the C-contiguous ``buf`` over the group in place; blocking, each step's
         wait calling ``watch`` every slice (see ``MPITransport.all_reduce``)."""
@@ -81,7 +78,7 @@ class Hierarchical:
                 owner, "all_reduce (hierarchical: intra-node all_gather)", seq,
                 keep=(flat, piece)).wait(watch=watch)
         if plan.avg:
-            divide(buf, size)
+            divide(buf, owner.size)
 
     def free(self) -> None:
         """Free both communicators (collective over the group)."""

@@ -3,8 +3,8 @@
 MPICH's Allreduce within a node copies every byte into and out of its shared queues about
 ``4 (n-1)/n`` times and matches messages. Here every rank maps every rank's segment of an
 ``MPI_Win_allocate_shared`` window and works on it with loads and stores (numpy, ``out=``).
-Rank ``r`` owns the slice ``[lo_r, hi_r)`` (``count // n`` elements, the first
-``count % n`` ranks one more). An input in the caller's own buffer is *copied in*:
+Rank ``r`` owns slice ``r`` (:func:`~fuelspmd_mpi._work.slices`). An input in the caller's
+own buffer is *copied in*:
 
 1. ``r`` copies its buffer, all but its own slice, into its segment's data area;
 2. sync; ``r`` folds ``x_0 op x_1 op ... op x_{n-1}`` over its slice, left in rank order,
@@ -57,13 +57,12 @@ Memory: shared windows have MPI-3's unified model (checked), each under a ``Lock
 epoch for its life. A sync is ``Win.Sync`` (a full memory barrier in MPICH and Open MPI)
 around a flag handshake polled against the transport's deadline (CommTimeoutError names a
 missing rank), not ``MPI_Ibarrier``: a rank waiting inside MPI yields its core and may lose
-it for a time slice. Windows go by size class (powers of two, at least ``MIN_CLASS``),
-are kept until :meth:`ShmAllReduce.free` and capped per rank (a size over the cap runs
-MPI's own). They are pages of ``/dev/shm``, where a window whose pages do not fit kills its
-process with SIGBUS at the first store, so the cap is at most a quarter of the free space
-over the ranks (a copy-in window takes up to twice its class; other jobs share the space).
-:meth:`ShmAllReduce.create` returns None for a group that spans nodes (:mod:`fuelspmd_mpi._hier`
-serves those).
+it for a time slice. Windows go by size class (powers of two, at least ``MIN_CLASS``), kept
+until :meth:`ShmAllReduce.free`, capped per rank (a size over the cap runs MPI's own). They
+are pages of ``/dev/shm``, where a window whose pages do not fit kills its process with
+SIGBUS at the first store: the cap is at most a quarter of the free space over the ranks
+(a copy-in window takes up to twice its class; other jobs share the space). A group that
+spans nodes has none (:mod:`fuelspmd_mpi._hier` serves those).
 """
 
 from __future__ import annotations
@@ -106,11 +105,11 @@ def _part(nbytes: int, n: int) -> int:
 
 
 def _shm_free() -> int:
-    """Bytes free in the file system that backs shared windows (-1: unknown)."""
+    """Bytes free in the file system that backs shared windows (unknown: ``1 << 62``)."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
-        return -1
+        return 1 << 62
     return st.f_bavail * st.f_frsize
 
 
@@ -149,10 +148,9 @@ def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dests: list[np.
          also: np.ndarray) -> None:
     """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)`` into
     ``also`` (the caller's slice ``[lo, hi)``) and every array of ``dests`` (indexed from 0).
-
-    ``also`` may be this rank's own input at the same indices (a chunk is read before it is
-    written): with two ranks the fold writes it elementwise, with more a later step would
-    read an overwritten input, so a scratch buffer takes the partial result."""
+    ``also`` may be this rank's own input: with two ranks the fold writes it elementwise
+    (a chunk is read before it is written); with more a scratch buffer takes the partial
+    result, or a later step would read an overwritten input."""
     if hi <= lo:
         return
     ufunc, n = UFUNCS[op], len(srcs)
@@ -210,9 +208,7 @@ class ShmAllReduce:
         # cap of a quarter of the least free /dev/shm any rank saw, over the ranks
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
-        free = _shm_free()
-        agreed = np.array([1 if self.size <= cores else 0, free if free >= 0 else 1 << 62],
-                          np.int64)
+        agreed = np.array([1 if self.size <= cores else 0, _shm_free()], np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
         self._pipe_bytes = 2 * _CHUNK + 2 * _part(_CHUNK, self.size)  # two slots, two results
@@ -299,10 +295,9 @@ class ShmAllReduce:
     def _raise_and_wait(self, slot: int, k: int, seq: int,
                         check: Check | None = None) -> None:
         """Set this rank's flag ``slot`` to ``k``; spin until every rank's is >= ``k``, within
-        the deadline (CommTimeoutError naming the ranks whose flag never rose), calling
-        ``check.watch``. The flag window's ``Win.Sync`` fences the data windows too (a memory
-        barrier of the process, whichever window it names): this rank's data stores land
-        before its flag, and its peers' flags are read before their data."""
+        the deadline, calling ``check.watch``. ``Win.Sync`` (a memory barrier, whichever
+        window it names) puts this rank's data stores before its flag, and the peers' flags
+        before their data."""
         flags, fence = self._flags, self._flag.win.Sync
         fence()
         flags[self.rank][slot] = k
@@ -432,12 +427,9 @@ class ShmAllReduce:
             self._slow_left = _SLOW_CALLS
 
     def free(self) -> list[Window]:
-        """Free the windows and the node communicator (collective over the group).
-
-        A lent area some rank still holds a view of (a graph result may live there) is not
-        unmapped under it: then every rank keeps its lent windows and returns them (the
-        ranks agree first: freeing is collective); the caller keeps them referenced.
-        """
+        """Free the windows and the node communicator (collective). While some rank holds a
+        view of a lent area (a graph result may live there), every rank keeps its lent
+        windows (agreed first) and returns them, for the caller to keep referenced."""
         lent = [w for ws in self._lent.values() for w in ws]
         held = np.array([any(w.held is not None and w.held() is not None for w in lent)],
                         np.int8)

@@ -1,20 +1,15 @@
 """GPU buffers on the MPI transport: passed straight to a CUDA-aware MPI, else staged.
 
-A device buffer exposes ``__cuda_array_interface__`` (cupy, numba, torch's CUDA tensors);
-anything else takes the host path and its checks. Whether the MPI library reads device
-memory is asked of it, in order: MPI 4.1's ``mpi_memory_alloc_kinds`` lists ``cuda``; Open
-MPI's ``ompi_info`` says ``mpi_built_with_cuda_support:value:true``; MPICH was configured
-``--with-cuda`` and ``MPIR_CVAR_ENABLE_GPU`` is not 0. CUDA-aware: the buffer goes to MPI as
-it is once the current stream is synchronised (16-bit float reductions are staged even
-then: they are reduced in a float32 host copy). Otherwise the operation runs on pinned
-host copies (page-locked: copied at full link speed), and its Work copies the results back
-when it completes (:class:`StagedWork`).
+Whether the MPI library reads device memory is asked of it (:func:`detect_cuda_aware`).
+CUDA-aware: the buffer goes to MPI as it is once the current stream is synchronised (16-bit
+float reductions are staged even then: they are reduced in a float32 host copy). Otherwise
+the operation runs on pinned host copies (page-locked: copied at full link speed), and its
+Work copies the results back when it completes (:class:`StagedWork`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,8 +32,10 @@ def detect_cuda_aware(*, alloc_kinds: str | None, library_version: str,
                       ) -> tuple[bool, str]:
     """Decide from what the library reports whether it is CUDA-aware; return (answer, why).
 
-    ``alloc_kinds``: COMM_WORLD's ``mpi_memory_alloc_kinds`` (None when unset);
-    ``ompi_info``: returns ``ompi_info --parsable --all``'s output (asked of Open MPI only).
+    In order: MPI 4.1's ``mpi_memory_alloc_kinds`` of COMM_WORLD (``alloc_kinds``, None when
+    unset) lists ``cuda``; Open MPI's ``ompi_info --parsable --all`` (what ``ompi_info``
+    returns) says it was built with CUDA; MPICH was configured ``--with-cuda`` and
+    ``MPIR_CVAR_ENABLE_GPU`` is not 0.
     """
     if alloc_kinds is not None:
         kinds = [k.strip().split(":")[0] for k in alloc_kinds.split(",")]
@@ -59,12 +56,9 @@ def detect_cuda_aware(*, alloc_kinds: str | None, library_version: str,
 
 
 def _ompi_info() -> str:
-    exe = shutil.which("ompi_info")
-    if exe is None:
-        return ""
-    try:
-        done = subprocess.run([exe, "--parsable", "--all"], capture_output=True, text=True,
-                              timeout=20, check=False)
+    try:  # not on the PATH: FileNotFoundError
+        done = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
+                              text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout
@@ -91,24 +85,19 @@ class StagedWork:
         self._inner = inner
         self._copy_back: Callable[[], None] | None = copy_back
 
-    def _done(self) -> bool:
-        back, self._copy_back = self._copy_back, None
-        if back is not None:
-            back()
-        return True
-
     def test(self) -> bool:
         """Return whether the operation (and the copy back) completed; never blocks."""
-        if self._copy_back is None:
-            return True
-        return self._inner.test() and self._done()
+        back = self._copy_back
+        if back is not None and self._inner.test():
+            self._copy_back = None
+            back()
+        return self._copy_back is None
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the operation (CommTimeoutError as its Work gives it), then copy back."""
-        if self._copy_back is None:
-            return
-        self._inner.wait(timeout)
-        self._done()
+        if self._copy_back is not None:
+            self._inner.wait(timeout)
+            self.test()
 
 
 def _pinned_copy(buf: Any) -> np.ndarray:
@@ -126,10 +115,9 @@ def _pinned_copy(buf: Any) -> np.ndarray:
 def stage(method: Callable[..., Work], bufs: Sequence[Any], outs: Sequence[int],
           *extra: Any, op: str, aware: Callable[[], bool]) -> Work | None:
     """Run ``method(*bufs, *extra)`` on host copies of device ``bufs`` (``outs``: the
-    indices of those it writes) and return its StagedWork; or None: "proceed as it is",
-    for host buffers and, when ``aware()`` (asked only for device buffers), for device
-    buffers once their stream is synchronised. DeviceError for a buffer that is neither
-    numpy nor a device array, and for a mix."""
+    indices of those it writes) and return its StagedWork; or None, "proceed as it is", for
+    host buffers and, when ``aware()`` (asked of device buffers only), for device buffers
+    once their stream is synchronised. DeviceError for neither numpy nor device, or a mix."""
     device = [is_device(b) for b in bufs]
     if not any(device):
         for b in bufs:

@@ -48,9 +48,8 @@ _RECORD = 3 + INLINE // 8
 
 
 class _Inline(NamedTuple):
-    """A kind of small all_reduce carried in the check record: its dtype, op and shape, the
-    views of this rank's slot and every rank's part, and how the parts are reduced (the
-    ufunc itself where :func:`local_reduce` would only call it)."""
+    """A kind of small all_reduce carried in the check record: dtype, op, shape, the views of
+    this rank's slot and every rank's part, the ufunc where it alone reduces them, the plan."""
 
     dtype: np.dtype
     op: ReduceOp
@@ -85,7 +84,7 @@ class MPITransport:
         if not timeout > 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._MPI = MPI
-        self._comm = comm
+        self.comm = comm  # the mpi4py communicator (for baselines and tests; not for arrays)
         self.timeout = float(timeout)
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
@@ -94,18 +93,15 @@ class MPITransport:
         self._move = self._types.move
         self._plans = self._types.plans
         self.mpi_error: type[Exception] = MPI.Exception
-        group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            ranks = MPI.Group.Translate_ranks(group, list(range(self.size)), world_group)
+        group = comm.Get_group()
+        try:  # every rank of the group, into COMM_WORLD's
+            self.world_ranks: tuple[int, ...] = tuple(group.Translate_ranks())
         finally:
             group.Free()
-            world_group.Free()
-        self.world_ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.tag_bound = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         self._status, self._any = MPI.Status(), MPI.ANY_SOURCE  # probe's
         self._seq = 0
-        # the all-reduce route (set_all_reduce_policy): MPI's own until the layer above
-        # decides; the shared-memory path and the node/rail splits it may use
+        # the route (set_all_reduce_policy: MPI's own until then) and the paths it may use
         self._shm: ShmAllReduce | None = None
         self._lend_for: dict[tuple[int, Any], bool] = {}  # (bytes, dtype) -> lent or not
         self._kept_windows: list[Any] = []  # lent windows still held at a free (_shm.free)
@@ -115,11 +111,6 @@ class MPITransport:
         self._cap = DEFAULT_SHM_CAP
         self._records = _records(self.size)  # _meet's buffers and views, reused
         self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
-
-    @property
-    def comm(self) -> Any:
-        """The mpi4py communicator underneath (for baselines and tests; not for arrays)."""
-        return self._comm
 
     def describe(self) -> str:
         """Name this group for messages: its label, size and members' world ranks."""
@@ -136,10 +127,8 @@ class MPITransport:
         return seq
 
     def explain(self, op: str | tuple[str, int, int], seq: int) -> tuple[str, str]:
-        """Name operation ``seq`` and say who failed to join it (for CommTimeoutError).
-
-        ``op`` is an op name, or (name, peer, tag) for send and recv.
-        """
+        """Name operation ``seq`` (``op``: a name, or (name, peer, tag) for send and recv)
+        and say who failed to join it (for CommTimeoutError)."""
         where = f"on rank {self.rank} of {self.describe()}"
         if isinstance(op, tuple):
             op, peer, tag = op
@@ -237,18 +226,17 @@ class MPITransport:
         if buf.size == 0:
             return DONE
         if algo == "hierarchical" and self._hier is not None:
-            self._hier.all_reduce(buf, plan, seq, self.size,
-                                  None if check is None else check.watch)
+            self._hier.all_reduce(buf, plan, seq, None if check is None else check.watch)
             return DONE
         IN_PLACE = self._MPI.IN_PLACE
         if plan.stage is None:
-            req = self._comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
+            req = self.comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
             if not plan.avg:
                 return MPIWork(req, self, "all_reduce", seq, keep=buf)
             size = self.size
             return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size), buf)
         stage = buf.astype(plan.stage)
-        req = self._comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
+        req = self.comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
         return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
@@ -279,15 +267,14 @@ class MPITransport:
 
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
         """All-gather the check records (``payload``: a plain array of at most ``INLINE``
-        bytes, or None); raise Disagreement unless the words agree. Return every rank's
-        payload bytes, a (size, INLINE) uint8 view."""
+        bytes, or None); Disagreement unless the words agree; every rank's payload bytes."""
         rec = self._records
         mine, rows = rec[0], rec[1]
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
         if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
             rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
-        req = self._comm.Iallgather(mine, rows)
+        req = self.comm.Iallgather(mine, rows)
         if not req.Test():
             try:
                 MPIWork(req, self, op + " (check)", seq, keep=rec).wait(
@@ -304,7 +291,7 @@ class MPITransport:
         """The rank of a peer (``peer``, or any when None) whose message with ``tag`` has
         arrived, or None (``MPI_Iprobe``: nothing is received)."""
         status = self._status
-        if self._comm.Iprobe(self._any if peer is None else peer, tag, status):
+        if self.comm.Iprobe(self._any if peer is None else peer, tag, status):
             return status.Get_source()  # type: ignore[no-any-return]
         return None
 
@@ -357,13 +344,13 @@ class MPITransport:
         self._cap = int(cap_bytes)
         route = Route.of(bands)
         if self.size > 1 and "shm" in route.algorithms:
-            self._shm = ShmAllReduce.create(self._comm, MPI=self._MPI, cap_bytes=cap_bytes,
+            self._shm = ShmAllReduce.create(self.comm, MPI=self._MPI, cap_bytes=cap_bytes,
                                             owner=self)
             if self._shm is None:
                 route = route.without("shm", "does not apply: the ranks do not all share "
                                       "memory (a split per node can use it)")
         if self.size > 1 and "hierarchical" in route.algorithms:
-            self._hier = Hierarchical.create(self._comm, MPI=self._MPI, owner=self,
+            self._hier = Hierarchical.create(self.comm, MPI=self._MPI, owner=self,
                                              nodes=nodes)
             if self._hier is None:
                 route = route.without("hierarchical", "does not apply: the group is on one "
@@ -442,7 +429,7 @@ class MPITransport:
 
         def finish() -> None:
             if avg:
-                np.divide(result, size, out=result)
+                divide(result, size)
             out.reshape(-1)[...] = result.reshape(-1)
 
         return finish
@@ -466,7 +453,7 @@ class MPITransport:
         seq = self._next()
         if buf.size == 0 or self.size == 1:
             return DONE
-        req = self._comm.Ibcast(self._types.spec(buf), root=int(root))
+        req = self.comm.Ibcast(self._types.spec(buf), root=int(root))
         return MPIWork(req, self, f"broadcast(root={root})", seq, keep=buf)
 
     def all_to_all(self, send: Any, recv: Any) -> Work:
@@ -495,11 +482,11 @@ class MPITransport:
             return DONE
         if plan is None:
             spec = self._types.spec
-            start = self._comm.Iallgather if op == "all_gather" else self._comm.Ialltoall
+            start = self.comm.Iallgather if op == "all_gather" else self.comm.Ialltoall
             return MPIWork(start(spec(send), spec(recv)), self, op, seq, keep=(send, recv))
         src, dst = ((send, recv) if plan.stage is None
                     else (send.astype(plan.stage), np.empty(recv.size, plan.stage)))
-        req = self._comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
+        req = self.comm.Ireduce_scatter_block([src, plan.datatype], [dst, plan.datatype],
                                                plan.mpi_op)
         return MPIWork(req, self, op, seq, self._finish(dst, recv, plan.avg), (src, dst, recv))
 
@@ -508,7 +495,7 @@ class MPITransport:
         seq = self._next()
         if self.size == 1:
             return DONE
-        return MPIWork(self._comm.Ibarrier(), self, "barrier", seq)
+        return MPIWork(self.comm.Ibarrier(), self, "barrier", seq)
 
     def send(self, buf: Any, peer: int, tag: int) -> Work:
         """Send ``buf`` to ``peer`` (a rank of this group) with ``tag``."""
@@ -527,24 +514,20 @@ class MPITransport:
             if (staged := self._staged(op, (buf,), (0,) if op == "recv" else (), peer,
                                        tag)) is not None:
                 return staged
-        start = self._comm.Isend if op == "send" else self._comm.Irecv
+        start = self.comm.Isend if op == "send" else self.comm.Irecv
         req = start(self._types.spec(buf), int(peer), int(tag))
         return MPIWork(req, self, (op, int(peer), int(tag)), self._next(), keep=buf)
 
     def split(self, color: int, key: int) -> MPITransport:
         """Return the transport of the ranks that pass the same ``color``, ordered by ``key``.
-
-        ``MPI_Comm_split`` waits for every rank with no deadline, so the colors are first
-        all-gathered under the transport's: a rank that never calls split gives
-        CommTimeoutError here, not a hang inside MPI."""
+        ``MPI_Comm_split`` has no deadline, so the colors are first all-gathered under the
+        transport's: a rank that never calls split gives CommTimeoutError, not a hang."""
         for name, v, lo in (("color", color, 0), ("key", key, -(2**31))):
             if not isinstance(v, (int, np.integer)) or not lo <= v < 2**31:
                 raise ConfigError(f"split: {name} must be an integer in {lo}..2**31-1, "
                                   f"got {v!r}")
-        mine = np.array([color, key], np.int64)
-        every = np.empty(2 * self.size, np.int64)
-        self.all_gather(mine, every).wait()
-        comm = self._comm.Split(int(color), int(key))
+        self.all_gather(np.array([color, key], np.int64), np.empty(2 * self.size, np.int64)).wait()
+        comm = self.comm.Split(int(color), int(key))
         child = MPITransport(comm, MPI=self._MPI, timeout=self.timeout, types=self._types,
                              label=f"split(color={color}) of {self.label}")
         if self._planner is not None:  # the cost model plans every group it splits into
@@ -559,8 +542,8 @@ class MPITransport:
         transport over the same COMM_WORLD."""
         self._free_shm()
         MPI = self._MPI
-        if self._comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
-            self._comm.Free()
+        if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
+            self.comm.Free()
 
     def abort(self, code: int = 1) -> NoReturn:
         """Flush stdio and end every rank of the job with ``code`` (``MPI_Abort``)."""

@@ -108,12 +108,8 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
     if parts.dtype == np.bool_:
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
         ufunc.reduce(parts, axis=0, out=out)
-    elif plan.stage is None:
-        UFUNCS[op].reduce(parts, axis=0, out=out)
-        if plan.avg:
-            divide(out, parts.shape[0])
     else:
-        wide = UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
+        wide = UFUNCS[op].reduce(parts if plan.stage is None else parts.astype(plan.stage), 0)
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide
@@ -123,13 +119,12 @@ def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
          watch: Callable[[], None] | None = None, spin_s: float = _YIELD_AFTER_S) -> float:
     """Poll ``done()`` until it holds; return the seconds waited when past ``spin_s``, else 0.
 
-    The one wait of this package (MPI requests, the shm syncs). It never sleeps, unlike
-    :func:`fuelspmd.transport.poll_until`: MPI progresses a non-blocking collective only
-    inside MPI calls, so a rank asleep between two polls stalls its peers too. It reads the
-    clock once per ``_BURST`` polls; past ``spin_s`` it yields the core between bursts (a
-    spinning rank keeps the core its peer, or another job, needs for a time slice); it
-    calls ``watch()`` every ``WATCH_S``, and raises CommTimeoutError(``late(limit)``)
-    ``limit`` seconds after it began.
+    The one wait of this package. It never sleeps (MPI progresses a non-blocking collective
+    only inside MPI calls, so a rank asleep between two polls stalls its peers too) and
+    reads the clock once per ``_BURST`` polls; past ``spin_s`` it yields the core between
+    bursts (a spinning rank keeps the core its peer, or another job, needs); it calls
+    ``watch()`` every ``WATCH_S``, and raises CommTimeoutError(``late(limit)``) after
+    ``limit`` seconds.
     """
     clock = time.monotonic
     start = clock()
@@ -161,11 +156,10 @@ class MPIWork:
     """A started MPI operation: ``test`` polls it, ``wait`` spins on it (:func:`spin`).
 
     ``finish`` runs once, on the rank's own thread, when the request completes (a float32
-    stage copied back, the division of avg). ``keep`` holds the buffers MPI reads and
-    writes until then: a caller may pass a temporary. ``owner.explain(op, seq)`` words the
-    CommTimeoutError, on the slow path only, so starting a Work costs a few stores. After a
-    timeout the request is still posted: the Work can be waited on again, and a receive
-    withdrawn with :meth:`cancel`.
+    stage copied back, the division of avg); ``keep`` holds the buffers MPI uses until then
+    (a caller may pass a temporary). ``owner.explain(op, seq)`` words errors, on the slow
+    path only. After a timeout the request is still posted: the Work can be waited on
+    again, or a receive cancelled.
     """
 
     __slots__ = ("_finish", "_keep", "_op", "_owner", "_req", "_seq")
@@ -220,10 +214,8 @@ class MPIWork:
 
     def wait(self, timeout: float | None = None,
              watch: Callable[[], None] | None = None) -> None:
-        """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's).
-
-        ``watch`` is called every ``WATCH_S`` of the wait: inside a transport call (the
-        hierarchical all-reduce's steps) the collective guard reads its streams there."""
+        """Block until complete; CommTimeoutError after ``timeout`` s (None: the transport's),
+        calling ``watch`` every ``WATCH_S`` (a check's, inside a transport call)."""
         req = self._req
         if req is None:
             return
@@ -236,11 +228,8 @@ class MPIWork:
             raise self._error(e) from e
 
     def cancel(self, timeout: float = 5.0) -> bool:
-        """Withdraw a pending receive; return False if it had already completed.
-
-        Only point-to-point requests can be cancelled in MPI; a collective that timed out
-        leaves its communicator unusable, and the job should end (``abort``).
-        """
+        """Withdraw a pending receive; return False if it had already completed. (MPI
+        cancels only point-to-point requests: after a collective's timeout, ``abort``.)"""
         req = self._req
         if req is None:
             return False

@@ -68,8 +68,8 @@ class NCCLPlugin:
                 f"transport='nccl' drives a GPU, but device={str(wanted)!r} is not one of "
                 f"the {gpus} visible: pass device='cuda:N' with N in 0..{gpus - 1}, or "
                 f"device='auto'")
+        from fuelspmd_mpi import load_mpi
         from fuelspmd_mpi import plugin as mpi_plugin
-        from fuelspmd_mpi._env import load_mpi
         from fuelspmd_nccl._transport import NCCLTransport
 
         mpi = mpi_plugin.world(timeout=timeout)

@@ -9,9 +9,12 @@ Values are small integers, so sums and products are exact in every float type an
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +28,7 @@ from fuelspmd.errors import (
     DTypeError,
     ShapeError,
 )
-from fuelspmd.transport import ReduceOp, Transport
+from fuelspmd.transport import Check, Disagreement, ReduceOp, Transport
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -333,3 +336,51 @@ def test_temporary_buffers_live_until_the_work_completes(world: Transport) -> No
         _ = [np.random.rand(4096) for _ in range(64)]  # reuse freed memory if any was freed
     for w in works:
         w.wait(30)
+
+
+class _Device:
+    """A stand-in GPU array: the face the staging reads, counting its copies to the host."""
+
+    __cuda_array_interface__: Any = None  # only its presence is read
+
+    def __init__(self, n: int) -> None:
+        self.host = np.ones(n, np.float32)
+        self.dtype, self.size, self.shape = self.host.dtype, n, (n,)
+        self.nbytes, self.flags, self.copies = self.host.nbytes, {"C_CONTIGUOUS": True}, 0
+
+    def get(self, out: np.ndarray, stream: Any = None) -> None:
+        self.copies += 1
+        out[...] = self.host
+
+    def set(self, host: np.ndarray) -> None:
+        self.host[...] = host
+
+
+def test_a_checked_gpu_all_reduce_meets_before_its_host_copy_moves(
+        world: Transport, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged all_reduce is reduced on a host copy outside the check, so its words meet
+    first: ranks that disagree raise Disagreement before any copy is made (MPI never sees
+    the mismatched collective); ranks that agree get the sum back on the device."""
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    cuda = types.SimpleNamespace(alloc_pinned_memory=bytearray, get_current_stream=lambda: stream)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    t = world.split(0, world.rank)  # type: ignore[attr-defined]
+    t.cuda_aware = (False, "stand-in GPU buffers are staged")
+
+    def checked(buf: _Device) -> None:
+        words = [buf.size, 0, 0]
+        t.checked(Check(words, lambda rows: all(r == rows[0] for r in rows), timeout=TIMEOUT),
+                  "all_reduce", buf, ReduceOp.SUM).wait(TIMEOUT)
+
+    try:
+        if world.size > 1:
+            bad = _Device(4 if world.rank == 0 else 8)
+            with pytest.raises(Disagreement):
+                checked(bad)
+            assert bad.copies == 0
+        good = _Device(5)
+        checked(good)
+        assert good.copies == 1
+        np.testing.assert_array_equal(good.host, np.full(5, world.size, np.float32))
+    finally:
+        t.finalize()

@@ -202,9 +202,11 @@ class MPITransport:
         plan = (self._plans[op._value_].get(buf.dtype)
                 if type(buf) is _ndarray and buf.flags.c_contiguous else None)
         if plan is None:
+            if check is not None and not isinstance(buf, _ndarray):
+                # a GPU buffer's host copy is reduced unchecked: the words meet first
+                self._meet(check, self._seq, "all_reduce")
+                check = None
             if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:
-                if check is not None:  # the host copy is reduced; its words meet first
-                    self._meet(check, self._seq, "all_reduce")
                 return staged
             plan = self._types.plan(buf.dtype, op, "all_reduce")
         seq = self._seq

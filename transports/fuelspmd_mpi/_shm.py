@@ -245,9 +245,8 @@ class ShmAllReduce:
     # -- lent areas ----------------------------------------------------------------------
 
     def lend(self, nbytes: int) -> np.ndarray | None:
-        """A whole lent area (uint8) of ``nbytes``' class that nobody holds a view of, or
-        None, which asks for one more (or the class's first): the class's next all_reduce
-        adds it on every rank. Local."""
+        """A whole lent area (uint8) of ``nbytes``' class that nobody holds a view of; or None,
+        asking the class's next all_reduce to add one on every rank. Local."""
         cls = size_class(nbytes)
         for w in self._lent.get(cls, ()):
             if w.held is None or w.held() is None:

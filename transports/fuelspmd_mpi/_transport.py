@@ -389,9 +389,8 @@ class MPITransport:
         return self._choose(int(nbytes), dtype)[1]
 
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
-        """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes``
-        of ``dtype`` is reduced as it lies (the ``lend`` capability), or None: another path
-        for that size or dtype, or no free area yet (:meth:`ShmAllReduce.lend`)."""
+        """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes`` of
+        ``dtype`` reduces as it lies (the ``lend`` capability), or None: ShmAllReduce.lend."""
         key = (nbytes, dtype)
         ok = self._lend_for.get(key)
         if ok is None:

@@ -108,8 +108,12 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
     if parts.dtype == np.bool_:
         ufunc = np.logical_or if op in (ReduceOp.SUM, ReduceOp.MAX) else np.logical_and
         ufunc.reduce(parts, axis=0, out=out)
+    elif plan.stage is None:
+        UFUNCS[op].reduce(parts, axis=0, out=out)  # into out: a 0-d result stays an array
+        if plan.avg:
+            divide(out, parts.shape[0])
     else:
-        wide = UFUNCS[op].reduce(parts if plan.stage is None else parts.astype(plan.stage), 0)
+        wide = UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide

@@ -384,3 +384,16 @@ def test_a_checked_gpu_all_reduce_meets_before_its_host_copy_moves(
         np.testing.assert_array_equal(good.host, np.full(5, world.size, np.float32))
     finally:
         t.finalize()
+
+
+def test_a_checked_avg_of_a_scalar_is_divided(world: Transport) -> None:
+    """A small all_reduce rides whole in the check record and is reduced there: a 0-d
+    buffer's avg is divided too, the first call and the next (which reuses its views)."""
+    def agrees(rows: list[list[int]]) -> bool:
+        return all(r == rows[0] for r in rows)
+
+    for _ in range(2):
+        buf = np.array(float(world.rank), np.float32)
+        world.checked(Check([1, 2, 3], agrees, timeout=TIMEOUT),  # type: ignore[attr-defined]
+                      "all_reduce", buf, ReduceOp.AVG).wait(TIMEOUT)
+        assert buf.shape == () and buf == np.float32(sum(range(world.size)) / world.size)

@@ -25,7 +25,7 @@ import numpy as np
 from fuelspmd.transport import digest62
 
 __all__ = ["FIELDS", "FP_LEN", "OPS", "Fingerprint", "describe", "diff", "digest", "group_id",
-           "render"]
+           "peer", "render"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "barrier",
        "send", "recv")
@@ -65,6 +65,12 @@ def digest(encoded: np.ndarray) -> int:
     ``CSEQ``): ranks compare it in one word. CRC-32 and Adler-32, alike on every rank (not
     Python's per-process salted ``hash``)."""
     return digest62(encoded[:CSEQ].tobytes())
+
+
+def peer(encoded: np.ndarray) -> int:
+    """The other rank of an encoded send (its dst) or recv (its src); ``NONE`` for a
+    collective, whose src is ``NONE``."""
+    return int(encoded[DST] if encoded[OP] == SEND else encoded[SRC])
 
 
 @dataclass(slots=True)
@@ -110,7 +116,7 @@ def render(a: np.ndarray, field: str) -> str:
     """Return ``field`` of the encoded fingerprint ``a`` as text for an error message."""
     if field in _TABLES:
         table, code = _TABLES[field], int(a[_SLOTS[field][0]])
-        return "None" if code == NONE else table[code] if 0 <= code < len(table) else f"#{code}"
+        return "none" if code == NONE else table[code] if 0 <= code < len(table) else f"#{code}"
     if field == "seq":
         return f"op #{int(a[SEQ])} (collective #{int(a[CSEQ])})"
     if field == "shape":
@@ -126,7 +132,7 @@ def describe(a: np.ndarray) -> str:
     """Return a one-line summary of an encoded fingerprint: op, numbers, shape, dtype, ..."""
     parts = [render(a, f) for f in ("op", "seq", "shape", "dtype")]
     parts += [f"{f}={render(a, f)}" for f in ("reduce_op", "root", "src", "dst", "tag")
-              if render(a, f) not in ("none", "None")]
+              if render(a, f) != "none"]
     return " ".join(parts)
 
 

@@ -5,20 +5,17 @@ What the guard (``default`` and ``debug`` modes; ``off`` records and checks noth
 guarantees, and how:
 
 1. **A collective is compared before any data moves.** Every rank's words
-   ``[digest, cseq, fence]`` (:meth:`Guard.meet`) are compared first: ``digest`` covers
-   op, shape, dtype, reduce op, root and group (:func:`~fuelspmd.comm.fingerprint.digest`),
-   ``cseq`` is the group's collective number, and ``fence`` is this rank's share of
-   ``sum over ordered pairs (a, b) of w(a, b) * (sends a issued to b - recvs b issued from
-   a) mod P`` (random weights ``w``, alike on every rank): the shares sum to zero exactly
-   when every pair issued as many recvs as sends before this collective (with probability
-   ``1 - 1/P`` otherwise). The words agree (:func:`agrees`) when digest and cseq are the
-   same on every rank and the shares sum to zero. They ride where the transport makes the
+   ``[digest, cseq, fence]`` must agree (:func:`agrees`): ``digest`` (of op, shape, dtype,
+   reduce op, root and group: :func:`~fuelspmd.comm.fingerprint.digest`) and ``cseq`` (the
+   group's collective number) alike on every rank, and the ``fence`` shares, each rank's
+   part of ``sum over ordered pairs (a, b) of w(a, b) * (sends a issued to b - recvs b
+   issued from a) mod P`` (random weights ``w``, alike on every rank), summing to zero:
+   they do exactly when every pair issued as many recvs as sends before this collective
+   (with probability ``1 - 1/P`` otherwise). The words ride where the transport makes the
    ranks meet anyway (the ``checked`` capability), else in one fixed-size all_gather on a
-   private split of the transport (the *control* channel). Every rank reads the same rows,
-   so every rank decides the same: when they disagree, every rank all-gathers its whole
-   fingerprint and pair counts on the control channel and raises
-   :class:`~fuelspmd.errors.CollectiveMismatchError` naming the ranks, the collective
-   number and each differing field, or the pair whose sends and recvs do not match.
+   private split of the transport (the *control* channel, :meth:`Guard.meet`). Every rank
+   reads the same rows, so every rank decides the same; when they disagree, every rank
+   raises :class:`~fuelspmd.errors.CollectiveMismatchError` (:meth:`Guard.explain`).
 2. **A send meets its recv.** Each send's fingerprint follows it on the control channel
    (one ordered stream per pair, tag :data:`TAG_P2P`); a recv is released only once the
    sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).
@@ -55,17 +52,15 @@ import numpy as np
 
 from fuelspmd.comm.fingerprint import (
     CSEQ,
-    DST,
     FP_LEN,
     OP,
-    RECV,
     SEND,
     SEQ,
-    SRC,
     Fingerprint,
     describe,
     diff,
     digest,
+    peer,
     render,
 )
 from fuelspmd.comm.recorder import Recorder
@@ -115,10 +110,8 @@ def agrees(rows: list[list[int]]) -> bool:
 
 
 class Guard:
-    """The checks of one group (see the module docstring); GuardedTransport drives it.
-
-    Creating one is collective over ``transport``: it splits the control channel and
-    checks that every rank asked for the same mode and group.
+    """The checks of one group, driven by GuardedTransport. Creating one is collective over
+    ``transport``: it splits the control channel; every rank must ask for one mode and group.
     """
 
     def __init__(self, transport: Transport, *, mode: str = "default", timeout: float = 600.0,
@@ -169,10 +162,6 @@ class Guard:
         if self.failed is not None:
             raise self._failed_kind(f"the guard already failed: {self.failed}")
 
-    def record(self, fp: Fingerprint, seq: int, cseq: int) -> int:
-        """Record an operation as issued (its recorder ticket, or -1 without a recorder)."""
-        return -1 if self.recorder is None else self.recorder.push(fp, seq, cseq)
-
     def begin(self, template: np.ndarray, seq: int, cseq: int, k: int = 0,
               rec: int = -1, fp: Fingerprint | None = None) -> None:
         """Mark the operation this rank is now in (its notes name it; a failure marks its
@@ -195,8 +184,7 @@ class Guard:
             raise Disagreement("the guard's check", table)
 
     def sent_to(self, peer: int, encoded: np.ndarray) -> int:
-        """Count a send to ``peer`` and post its fingerprint ``encoded`` after it; return its
-        number (1, 2, ...) among them."""
+        """Count a send to ``peer``, post its fingerprint after it; return its number (1, ...)."""
         self.sent[peer] += 1
         self.fence = (self.fence + self._w_out[peer]) % _P
         self.post(encoded, peer, TAG_P2P)
@@ -309,54 +297,49 @@ class Guard:
         squared with what this rank is in."""
         if self._cur is None:
             return
-        theirs, bye = note[4:4 + FP_LEN], note[0] == _BYE
-        mine, r = self._encoded(), self.rank
-        q_op, my_op = int(theirs[OP]), int(mine[OP])
+        theirs, bye, r = note[4:4 + FP_LEN], note[0] == _BYE, self.rank
+        mine, k = self._encoded(), self._cur[3]
+        my_peer, q_peer = peer(mine), peer(theirs)
         gap = int(theirs[CSEQ]) - int(mine[CSEQ])
-        if not bye and (gap < 0 or (gap > 0 and my_op not in (SEND, RECV))):
+        if not bye and (gap < 0 or (gap > 0 and my_peer < 0)):
             # behind: a stale note (q has since passed the collective this rank passed);
             # ahead: q finished the collective this rank waits in (a broadcast's root, or
             # any rank whose share arrived, may finish early), which every rank compared
             # before it moved data; q's own next one is compared when this rank gets there
             return
-        my_peer = int(mine[DST] if my_op == SEND else mine[SRC])
         gone = (f"{describe(mine)} on rank {r} (group {self.group}): rank {q} "
-                f"{_text(note) or 'finished normally'} (its guard said bye) after issuing"
-                if bye else "")
-        if q_op in (SEND, RECV) and not bye:
-            if int(theirs[DST] if q_op == SEND else theirs[SRC]) != r:
-                return
-            need = int(note[2] if q_op == SEND else note[3])  # q's message number with me
-            have = self.recvd[q] if q_op == SEND else self.sent[q]
-            if have >= need or (my_op in (SEND, RECV) and my_peer != q):
-                return  # this rank issued its side, or may still after its current op
-            if my_op in (SEND, RECV) and \
-                    int(note[3] if my_op == SEND else note[2]) >= self._cur[3]:
-                return  # q already issued the other side of this rank's op with it: that
-                # completes, and this rank may issue what q waits for next
-            side = "recvs from" if q_op == SEND else "sends to"
-            self.fail(f"point-to-point mismatch in group {self.group}: rank {q} waits in "
-                      f"{describe(theirs)} (its message #{need} with rank {r}) but rank {r} "
-                      f"is in {describe(mine)} and issued only {have} {side} rank {q}: a "
-                      f"send or recv was skipped or is in the wrong order. Fix: {_HINT}")
-        if my_op in (SEND, RECV):
-            need, have = self._cur[3], int(note[3] if my_op == SEND else note[2])
-            if my_peer != q or have >= need:
-                return
+                f"{_text(note) or 'finished normally'} (its guard said bye) after issuing")
+        if my_peer >= 0:  # this rank waits in its message #k with my_peer
+            q_issued = int(note[3] if mine[OP] == SEND else note[2])  # the other side
+            if my_peer != q or q_issued >= k:
+                return  # another peer's, or q issued the other side: this op completes
             if bye:
-                self.fail(f"{gone} only {have} matching ops with rank {r}, so this rank's "
-                          f"message #{need} with it will never come. Fix: {_HINT}",
+                self.fail(f"{gone} only {q_issued} matching ops with rank {r}, so this rank's "
+                          f"message #{k} with it will never come. Fix: {_HINT}",
                           PeerAbortedError)
-            self.fail(f"point-to-point mismatch in group {self.group}: rank {r} waits in "
-                      f"{describe(mine)} (its message #{need} with rank {q}) but rank {q} is "
-                      f"in {describe(theirs)} and issued only {have} matching ops with rank "
-                      f"{r}: a send or recv was skipped. Fix: {_HINT}")
         elif bye:
             if int(note[1]) <= int(mine[CSEQ]):
                 self.fail(f"{gone} {int(note[1])} collectives, so it will never join "
                           f"collective #{int(mine[CSEQ])}. Fix: {_HINT}", PeerAbortedError)
-        elif int(theirs[CSEQ]) != int(mine[CSEQ]) or digest(theirs) != digest(mine):
+            return
+        if q_peer >= 0:  # q waits in its message #need with q_peer
+            need = int(note[2] if theirs[OP] == SEND else note[3])
+            r_issued = self.recvd[q] if theirs[OP] == SEND else self.sent[q]
+            if q_peer == r and r_issued < need:
+                self.fail(self._unmatched(q, theirs, need, r, mine, r_issued))
+        elif my_peer >= 0:  # q passed to a collective without the other side of this op
+            self.fail(self._unmatched(r, mine, k, q, theirs, q_issued))
+        elif digest(theirs) != digest(mine):
             self.fail(self.pair(r, mine, q, theirs))
+
+    def _unmatched(self, a: int, fa: np.ndarray, k: int, b: int, fb: np.ndarray,
+                   have: int) -> str:
+        """The message of rank ``a`` waiting in ``fa``, its message #k with rank ``b``, which
+        is in ``fb`` and issued only ``have`` of the other side."""
+        return (f"point-to-point mismatch in group {self.group}: rank {a} waits in "
+                f"{describe(fa)} (its message #{k} with rank {b}) but rank {b} is in "
+                f"{describe(fb)} and issued only {have} matching ops with rank {a}: a send "
+                f"or recv was skipped or is in the wrong order. Fix: {_HINT}")
 
     def pair(self, a: int, mine: np.ndarray, b: int, theirs: np.ndarray,
              kind: str = "collective") -> str:
@@ -372,7 +355,8 @@ class Guard:
 
     def explain(self, rows: list[list[int]]) -> None:
         """Every rank saw ``rows`` disagree: gather each rank's fingerprint and pair counts
-        on the control channel and raise the mismatch, naming ranks and fields."""
+        on the control channel and raise the mismatch, naming the ranks, the collective
+        number and each differing field, or the pair whose sends and recvs do not match."""
         assert self.control is not None
         n = self.size
         mine = np.concatenate([self._encoded(), self.sent, self.recvd]).astype(np.int64)
@@ -385,7 +369,7 @@ class Guard:
         fps = table[:, :FP_LEN]
         sent, recvd = table[:, FP_LEN:FP_LEN + n], table[:, FP_LEN + n:]
         keys = [(digest(f), int(f[CSEQ])) for f in fps]
-        ref = next(r for r in range(n) if keys[r] == Counter(keys).most_common(1)[0][0])
+        ref = keys.index(Counter(keys).most_common(1)[0][0])
         odd = [b for b in range(n) if keys[b] != keys[ref]]
         if odd:
             self.fail("; ".join(self.pair(ref, fps[ref], b, fps[b]) for b in odd))
@@ -402,11 +386,11 @@ class Guard:
     def late(self, what: str, limit: float) -> None:
         """Raise the CommTimeoutError of a wait past ``limit`` s, naming the absent ranks."""
         mine = self._encoded() if self._cur is not None else None
+        p2p = mine is not None and peer(mine) >= 0
         here = [q for q, note in enumerate(self._notes) if note is not None and mine is not None
                 and note[0] == _WAIT and int(note[4 + CSEQ]) == int(mine[CSEQ])
-                and (int(mine[OP]) in (SEND, RECV)) == (int(note[4 + OP]) in (SEND, RECV))]
-        peers = [int(mine[SRC] if mine[OP] == RECV else mine[DST])] if (
-            mine is not None and int(mine[OP]) in (SEND, RECV)) else range(self.size)
+                and p2p == (peer(note[4:4 + FP_LEN]) >= 0)]
+        peers = [peer(mine)] if p2p else range(self.size)
         missing = [q for q in peers if q != self.rank and q not in here]
         seen = "; ".join(f"last seen from rank {q}: " + (
             "nothing" if (n := self._notes[q]) is None else "finished" if n[0] == _BYE else
@@ -419,16 +403,27 @@ class Guard:
                   f"{self.group}): {why}; if it is only slow, raise the timeout",
                   CommTimeoutError)
 
-    def fail(self, text: str, kind: type[Exception] = CollectiveMismatchError, rec: int = -1,
-             *, tell: bool = True, raise_now: bool = True) -> None:
-        """Fail the guard (every later operation raises ``kind``), tell the peers, dump the
-        flight recorder, and raise."""
+    def fail_with(self, e: CommError) -> None:
+        """Fail the guard for ``e``, raised by an operation or its check: ranks that
+        disagreed are explained (fields, ranks), a wait past the deadline names the absent
+        ranks. Returns only if the guard had failed already (the caller re-raises ``e``)."""
+        if self.failed is None:
+            if isinstance(e, Disagreement):
+                self.explain(e.rows)
+            if isinstance(e, CommTimeoutError):
+                self.late("the check", self.timeout)
+            self.fail(str(e), type(e))
+
+    def fail(self, text: str, kind: type[Exception] = CollectiveMismatchError, *,
+             tell: bool = True, raise_now: bool = True) -> None:
+        """Fail the guard (every later operation raises ``kind``), mark the operation this
+        rank is in (recording it first if it was not), tell the peers, dump the flight
+        recorder, and raise."""
         if self.failed is None:
             self.failed, self._failed_kind = text, kind
-            if rec < 0 and self._cur is not None:
+            if self._cur is not None and self.recorder is not None:
                 _, seq, cseq, _, rec, fp = self._cur
-                rec = self.record(fp, seq, cseq) if rec < 0 and fp is not None else rec
-            if self.recorder is not None and rec >= 0:
+                rec = self.recorder.push(fp, seq, cseq) if rec < 0 and fp is not None else rec
                 self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
                                          CommTimeoutError: "timeout"}.get(kind, "failed"), text)
             if tell and self.control is not None:

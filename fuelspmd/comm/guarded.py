@@ -23,17 +23,8 @@ import numpy as np
 from fuelspmd.comm.fingerprint import CSEQ, SEQ, TAG, Fingerprint, diff, digest, group_id
 from fuelspmd.comm.guard import Guard, agrees
 from fuelspmd.comm.recorder import Recorder
-from fuelspmd.errors import CommError, CommTimeoutError
-from fuelspmd.transport import (
-    DONE,
-    Check,
-    Disagreement,
-    ReduceOp,
-    Transport,
-    Work,
-    check_buffers,
-    check_peer,
-)
+from fuelspmd.errors import CommError
+from fuelspmd.transport import DONE, Check, ReduceOp, Transport, Work, check_buffers, check_peer
 
 __all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
 
@@ -91,12 +82,10 @@ class GuardedWork:
                 if self.recv:  # released only once the sender's fingerprint agrees
                     theirs = g.descriptor(self.peer, self.k, limit)
                     if diff(self.encoded, theirs):
-                        g.fail(g.pair(g.rank, self.encoded, self.peer, theirs, "send/recv"),
-                               rec=self.rec)
+                        g.fail(g.pair(g.rank, self.encoded, self.peer, theirs, "send/recv"))
                 g.wait_work(self.work, limit, "the transport")
             except CommError as e:
-                if g.failed is None:
-                    g.fail(str(e), type(e), self.rec)
+                g.fail_with(e)
                 raise
         if self.result is not None:
             g.verify(self.result, self.seq)
@@ -105,10 +94,8 @@ class GuardedWork:
 
 
 class GuardedTransport:
-    """A Transport whose every operation is checked against all participants' (see .guard).
-
-    Creating one is collective over ``transport`` (the guard splits its control channel).
-    ``seq`` is the number the next operation gets, ``cseq`` the next collective's.
+    """A Transport whose every operation is checked against all participants' (collective
+    to create). ``seq`` is the number the next operation gets, ``cseq`` the next collective's.
     """
 
     def __init__(self, transport: Transport, *, mode: str = "default", timeout: float = 600.0,
@@ -188,26 +175,15 @@ class GuardedTransport:
                                    CommError, raise_now=False)
                         raise
             except CommError as e:
-                self._failed(e)
+                g.fail_with(e)
                 raise
         self.seq, self.cseq = seq + 1, cseq + 1
         if self._bare and (work is DONE or work.test()):
             g.settle(-1)
             return work
-        return GuardedWork(g, work, call.encoded, seq, cseq, g.record(call.fp, seq, cseq),
+        rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
+        return GuardedWork(g, work, call.encoded, seq, cseq, rec,
                            result=result if self._debug else None)
-
-    def _failed(self, e: CommError) -> None:
-        """A check or its collective failed: ranks that disagreed are explained (fields,
-        ranks), a wait past the deadline names the absent ranks, and any other error
-        fails the guard, so every later operation raises too."""
-        g = self.guard
-        if isinstance(e, Disagreement):
-            g.explain(e.rows)
-        elif isinstance(e, CommTimeoutError):
-            g.late("the check", g.timeout)
-        elif g.failed is None:
-            g.fail(str(e), type(e))
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
@@ -274,8 +250,8 @@ class GuardedTransport:
         self.seq = seq + 1
         encoded = call.encoded.copy()
         encoded[TAG], encoded[CSEQ], encoded[SEQ] = int(tag), cseq, seq
-        rec = -1 if g.recorder is None else g.record(
-            replace(call.fp, seq=seq, tag=int(tag), cseq=cseq), seq, cseq)
+        rec = -1 if g.recorder is None else g.recorder.push(replace(call.fp, tag=int(tag)),
+                                                            seq, cseq)
         k = 0
         if g.checks:
             k = g.sent_to(peer, encoded) if op == "send" else g.recvd_from(peer)

@@ -203,7 +203,9 @@ class MPITransport:
                 if type(buf) is _ndarray and buf.flags.c_contiguous else None)
         if plan is None:
             if check is not None and not isinstance(buf, _ndarray):
-                # a GPU buffer's host copy is reduced unchecked: the words meet first
+                # a GPU buffer's host copy is reduced unchecked: the words meet first, and
+                # a caller's mistake raises before the meeting, as on every other path
+                check_buffers("all_reduce", self.size, buf)
                 self._meet(check, self._seq, "all_reduce")
                 check = None
             if (staged := self._staged("all_reduce", (buf,), (0,), op)) is not None:

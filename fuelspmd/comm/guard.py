@@ -228,8 +228,8 @@ class Guard:
             got[self._desc_n[peer]] = buf
         return got.pop(k)
 
-    def settle(self, rec: int) -> None:
-        """The operation this rank waited in completed."""
+    def settle(self, rec: int = -1) -> None:
+        """The operation this rank waited in completed (``rec``: its recorder ticket)."""
         self._cur = None
         if rec >= 0 and self.recorder is not None:
             self.recorder.mark(rec, "completed")

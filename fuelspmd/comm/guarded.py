@@ -112,7 +112,10 @@ class GuardedTransport:
                            group=self.group, world_rank=world_rank, trace_dir=trace_dir)
         self.seq = self.cseq = 0
         self._calls: dict[tuple[Any, ...], _Call] = {}
-        self._checked = "checked" in transport.capabilities and self.guard.checks
+        # the inner transport's check-and-issue, where it has one and checks are on
+        self._checked: Callable[..., Work] | None = (
+            transport.checked if "checked" in transport.capabilities  # type: ignore[attr-defined]
+            and self.guard.checks else None)
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
         self._bare = recorder is None and not self._debug  # a completed op leaves nothing
@@ -161,8 +164,8 @@ class GuardedTransport:
             w = check.words
             w[1], w[2] = cseq, g.fence
             try:
-                if self._checked:  # a caller's mistake it finds raises before the meeting
-                    work = self.inner.checked(check, name, *args)  # type: ignore[attr-defined]
+                if self._checked is not None:  # a caller's mistake raises before the meeting
+                    work = self._checked(check, name, *args)
                 else:
                     g.meet(check)
                     try:
@@ -179,7 +182,7 @@ class GuardedTransport:
                 raise
         self.seq, self.cseq = seq + 1, cseq + 1
         if self._bare and (work is DONE or work.test()):
-            g.settle(-1)
+            g.settle()
             return work
         rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         return GuardedWork(g, work, call.encoded, seq, cseq, rec,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -36,7 +36,7 @@ from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
-from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, local_reduce
+from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, late_text, local_reduce, spin
 
 __all__ = ["MPITransport"]
 
@@ -279,12 +279,15 @@ class MPITransport:
         if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
             rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self.comm.Iallgather(mine, rows)
-        if not req.Test():
+        if not req.Test():  # spun on directly: a Work is built only for a failed wait
             try:
-                MPIWork(req, self, op + " (check)", seq, keep=rec).wait(
-                    min(check.timeout, self.timeout), watch=check.watch)
-            except BaseException:  # MPI may still write them: never reused (see MPIWork)
-                self._records, self._inline = _records(self.size), None
+                spin(req.Test, min(check.timeout, self.timeout),
+                     partial(late_text, self, op + " (check)", seq), check.watch)
+            except BaseException as e:  # MPI may still write them: never reused, never
+                self._records, self._inline = _records(self.size), None  # freed (MPIWork)
+                work = MPIWork(req, self, op + " (check)", seq, keep=rec)
+                if isinstance(e, self.mpi_error):
+                    raise work.error(e) from e
                 raise
         words = rec[2].tolist()
         if not check.agrees(words):

@@ -196,7 +196,7 @@ class MPIWork:
             finish()
         return True
 
-    def _error(self, e: Exception) -> CommError:
+    def error(self, e: Exception) -> CommError:
         """mpi4py's MPI.Exception as a CommError; its last line is MPI's own reason."""
         what, _ = self._owner.explain(self._op, self._seq)
         text = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
@@ -214,7 +214,7 @@ class MPIWork:
         try:
             return req.Test() and self._complete()
         except self._owner.mpi_error as e:  # truncation, a failed peer, ...
-            raise self._error(e) from e
+            raise self.error(e) from e
 
     def wait(self, timeout: float | None = None,
              watch: Callable[[], None] | None = None) -> None:
@@ -229,7 +229,7 @@ class MPIWork:
                      self._late, watch)
             self._complete()
         except self._owner.mpi_error as e:
-            raise self._error(e) from e
+            raise self.error(e) from e
 
     def cancel(self, timeout: float = 5.0) -> bool:
         """Withdraw a pending receive; return False if it had already completed. (MPI

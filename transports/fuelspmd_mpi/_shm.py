@@ -206,9 +206,7 @@ class ShmAllReduce:
         self._flags[self.rank][:] = 0
         # agreed by all ranks: a core each to pipeline (else a sync yields at once), and a
         # cap of a quarter of the least free /dev/shm any rank saw, over the ranks
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        agreed = np.array([1 if self.size <= cores else 0, _shm_free()], np.int64)
+        agreed = np.array([1 if owner.core_each else 0, _shm_free()], np.int64)
         node.Allreduce(MPI.IN_PLACE, agreed, MPI.MIN)
         self.pipelined = bool(agreed[0])
         self._pipe_bytes = 2 * _CHUNK + 2 * _part(_CHUNK, self.size)  # two slots, two results

@@ -36,7 +36,16 @@ from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
-from fuelspmd_mpi._work import UFUNCS, MPIWork, Types, divide, late_text, local_reduce, spin
+from fuelspmd_mpi._work import (
+    UFUNCS,
+    YIELD_AFTER_S,
+    MPIWork,
+    Types,
+    divide,
+    late_text,
+    local_reduce,
+    spin,
+)
 
 __all__ = ["MPITransport"]
 
@@ -99,6 +108,13 @@ class MPITransport:
         finally:
             group.Free()
         self.tag_bound = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        # ranks that share cores take turns on them, so a wait yields its core at once (a
+        # rank spinning keeps the core its peer needs); with a core each it spins a while
+        self.core_each = node.Get_size() <= cores
+        node.Free()
+        self.spin_s = YIELD_AFTER_S if self.core_each else 0.0
         self._status, self._any = MPI.Status(), MPI.ANY_SOURCE  # probe's
         self._seq = 0
         # the route (set_all_reduce_policy: MPI's own until then) and the paths it may use
@@ -282,7 +298,7 @@ class MPITransport:
         if not req.Test():  # spun on directly: a Work is built only for a failed wait
             try:
                 spin(req.Test, min(check.timeout, self.timeout),
-                     partial(late_text, self, op + " (check)", seq), check.watch)
+                     partial(late_text, self, op + " (check)", seq), check.watch, self.spin_s)
             except BaseException as e:  # MPI may still write them: never reused, never
                 self._records, self._inline = _records(self.size), None  # freed (MPIWork)
                 work = MPIWork(req, self, op + " (check)", seq, keep=rec)

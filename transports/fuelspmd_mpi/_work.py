@@ -27,11 +27,11 @@ from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp
 
-__all__ = ["UFUNCS", "MPIWork", "ReducePlan", "Types", "divide", "late_text", "local_reduce",
-           "slices", "spin"]
+__all__ = ["UFUNCS", "YIELD_AFTER_S", "MPIWork", "ReducePlan", "Types", "divide", "late_text",
+           "local_reduce", "slices", "spin"]
 
-_BURST = 64  # polls between two reads of the clock: a small collective ends within a few
-_YIELD_AFTER_S = 1e-5  # spin() yields the core after this long, as MPI's own waits do
+_BURST = 8  # polls between two reads of the clock (and, past the spin, two yields)
+YIELD_AFTER_S = 1e-5  # a wait spins this long before it yields the core, as MPI's own do
 UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
           ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}
 
@@ -120,7 +120,7 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
 
 
 def spin(done: Callable[[], bool], limit: float, late: Callable[[float], str],
-         watch: Callable[[], None] | None = None, spin_s: float = _YIELD_AFTER_S) -> float:
+         watch: Callable[[], None] | None = None, spin_s: float = YIELD_AFTER_S) -> float:
     """Poll ``done()`` until it holds; return the seconds waited when past ``spin_s``, else 0.
 
     The one wait of this package. It never sleeps (MPI progresses a non-blocking collective
@@ -226,7 +226,7 @@ class MPIWork:
         try:
             if not req.Test():  # a small operation usually ends here
                 spin(req.Test, self._owner.timeout if timeout is None else timeout,
-                     self._late, watch)
+                     self._late, watch, self._owner.spin_s)
             self._complete()
         except self._owner.mpi_error as e:
             raise self.error(e) from e
@@ -238,6 +238,7 @@ class MPIWork:
         if req is None:
             return False
         req.Cancel()
-        spin(req.Test, timeout, lambda limit: f"cancelling: {self._late(limit)}")
+        spin(req.Test, timeout, lambda limit: f"cancelling: {self._late(limit)}",
+             spin_s=self._owner.spin_s)
         self._finish = None
         return self._complete()

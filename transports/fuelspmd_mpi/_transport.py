@@ -109,9 +109,11 @@ class MPITransport:
             group.Free()
         self.tag_bound = int(comm.Get_attr(MPI.TAG_UB) or 32767)
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        # ranks that share cores take turns on them, so a wait yields its core at once (a
-        # rank spinning keeps the core its peer needs); with a core each it spins a while
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        # more of this group's ranks on the node than cores: they take turns, so a wait
+        # yields its core at once (a rank spinning keeps the core its peer needs); with a
+        # core each it spins a while first
         self.core_each = node.Get_size() <= cores
         node.Free()
         self.spin_s = YIELD_AFTER_S if self.core_each else 0.0

@@ -319,6 +319,37 @@ def test_collective_with_a_missing_rank_times_out(world: Transport) -> None:
         sub.finalize()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_check_meeting_that_timed_out_refuses_the_next(world: Transport) -> None:
+    """The last rank meets 2 s late: the others' check times out at 0.5 s and leaves the
+    meeting posted, so their next check raises CommError without touching MPI (a second
+    meeting would start while the first may still be matched); the late rank's meeting
+    then completes against the posted one."""
+    from fuelspmd.errors import CommError
+
+    sub = world.split(0, world.rank)  # type: ignore[attr-defined]
+    last = sub.size - 1
+
+    def meet(timeout: float) -> None:
+        sub.checked(Check([7, 0, 0], lambda rows: all(r == rows[0] for r in rows),
+                          timeout=timeout), "barrier")
+
+    try:
+        world.barrier().wait()
+        if sub.rank == last:
+            time.sleep(2.0)
+            meet(TIMEOUT)
+        else:
+            with pytest.raises(CommTimeoutError, match=r"barrier \(check\) #0"):
+                meet(0.5)
+            with pytest.raises(CommError, match=r"the check of barrier #0 failed "
+                               r"\(CommTimeoutError\); the job must end"):
+                meet(TIMEOUT)
+        world.barrier().wait()  # progress: the posted meeting completes on every rank
+    finally:
+        sub.finalize()
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_temporary_buffers_live_until_the_work_completes(world: Transport) -> None:

@@ -133,3 +133,27 @@ def test_abort_ends_every_rank_quickly(tmp_path: Path) -> None:
     assert job.seconds < 20
     assert (tmp_path / "aborting").exists(), job.out + job.err
     assert not (tmp_path / "survived").exists(), job.out + job.err
+
+
+LEFT_OPEN = """
+import numpy as np
+from fuelspmd.comm import GuardedTransport
+from fuelspmd_mpi import plugin
+t = plugin.world(timeout=60)
+g = GuardedTransport(t)
+b = np.ones(2, np.float32)
+g.all_reduce(b, "sum").wait()
+t.split(0, t.rank).barrier().wait()
+print("sum", b.tolist(), flush=True)
+"""
+
+
+@needs_mpiexec
+@pytest.mark.timeout(60)
+def test_a_job_that_never_finalizes_leaves_no_persistent_meeting() -> None:
+    """The transports' persistent check meetings (the world's, the guard's split, a split
+    never finalized) are freed before MPI_Finalize: MPI names every one left at exit."""
+    job = run_job(mpiexec(2, sys.executable, "-c", LEFT_OPEN), deadline=40, env=_env())
+    assert job.code == 0, job.out + job.err
+    assert job.out.count("sum [2.0, 2.0]") == 2, job.out
+    assert "persistent" not in job.err, job.err

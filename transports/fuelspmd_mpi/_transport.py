@@ -13,6 +13,7 @@ sends and receives of 0 elements still go to MPI to match their peer.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from fuelspmd.errors import ConfigError
+from fuelspmd.errors import CommError, ConfigError
 from fuelspmd.transport import (
     DONE,
     Check,
@@ -74,6 +75,28 @@ def _records(size: int) -> tuple[np.ndarray, ...]:
     rank's payload slot, every rank's payload."""
     mine, rows = np.zeros(_RECORD, np.int64), np.empty((size, _RECORD), np.int64)
     return mine, rows, rows[:, :3], mine[3:].view(np.uint8), rows[:, 3:].view(np.uint8)
+
+
+_MEETINGS: dict[int, Any] = {}  # persistent meetings not freed yet, by id
+
+
+def _held(meeting: Any) -> None:
+    """Keep ``meeting`` to free before MPI_Finalize (MPI names each one left at exit); the
+    hook is registered after MPI's own, so it runs first."""
+    if not _MEETINGS:
+        atexit.unregister(_free_meetings)
+        atexit.register(_free_meetings)
+    _MEETINGS[id(meeting)] = meeting
+
+
+def _free_meetings() -> None:
+    """Free the inactive persistent meetings still held (a failed one was dropped)."""
+    from mpi4py import MPI  # imported already: a meeting exists
+
+    if MPI.Is_finalized():
+        return
+    while _MEETINGS:
+        _MEETINGS.popitem()[1].Free()
 
 
 def _plain(buf: Any, move: dict[np.dtype, Any]) -> bool:
@@ -129,6 +152,13 @@ class MPITransport:
         self._cap = DEFAULT_SHM_CAP
         self._records = _records(self.size)  # _meet's buffers and views, reused
         self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
+        # _meet's all_gather of the records, set up once where MPI has persistent
+        # collectives (4.0): a Start reuses its schedule where an Iallgather builds one
+        self._meeting: Any = None
+        if self.size > 1 and MPI.Get_version() >= (4, 0):
+            self._meeting = comm.Allgather_init(*self._records[:2])
+            _held(self._meeting)
+        self._met_failed: str | None = None  # why a meeting was left posted (see _meet)
 
     def describe(self) -> str:
         """Name this group for messages: its label, size and members' world ranks."""
@@ -290,19 +320,31 @@ class MPITransport:
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
         """All-gather the check records (``payload``: a plain array of at most ``INLINE``
         bytes, or None); Disagreement unless the words agree; every rank's payload bytes."""
+        if self._met_failed is not None:
+            raise CommError(f"{op} #{seq} on rank {self.rank} of {self.describe()}: "
+                            f"{self._met_failed}; the job must end")
         rec = self._records
         mine, rows = rec[0], rec[1]
         w = check.words
         mine[0], mine[1], mine[2] = w[0], w[1], w[2]
         if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
             rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
-        req = self.comm.Iallgather(mine, rows)
+        req = self._meeting
+        if req is None:
+            req = self.comm.Iallgather(mine, rows)
+        else:
+            req.Start()
         if not req.Test():  # spun on directly: a Work is built only for a failed wait
             try:
                 spin(req.Test, min(check.timeout, self.timeout),
                      partial(late_text, self, op + " (check)", seq), check.watch, self.spin_s)
-            except BaseException as e:  # MPI may still write them: never reused, never
-                self._records, self._inline = _records(self.size), None  # freed (MPIWork)
+            except BaseException as e:
+                # MPI may still write the records: never reused, never freed (MPIWork).
+                # The meeting stays posted, so no later one may start: a persistent
+                # all_gather matches no other kind, and every rank must end anyway.
+                _MEETINGS.pop(id(self._meeting), None)
+                self._records, self._inline, self._meeting = _records(self.size), None, None
+                self._met_failed = f"the check of {op} #{seq} failed ({type(e).__name__})"
                 work = MPIWork(req, self, op + " (check)", seq, keep=rec)
                 if isinstance(e, self.mpi_error):
                     raise work.error(e) from e
@@ -565,6 +607,10 @@ class MPITransport:
         then): it cannot be initialised twice, and a later ``fs.init()`` builds a fresh
         transport over the same COMM_WORLD."""
         self._free_shm()
+        if self._meeting is not None:  # inactive: a failed meeting dropped it (see _meet)
+            _MEETINGS.pop(id(self._meeting), None)
+            self._meeting.Free()
+            self._meeting = None
         MPI = self._MPI
         if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
             self.comm.Free()

@@ -144,7 +144,8 @@ g = GuardedTransport(t)
 b = np.ones(2, np.float32)
 g.all_reduce(b, "sum").wait()
 t.split(0, t.rank).barrier().wait()
-print("sum", b.tolist(), flush=True)
+if t.rank == 0:  # one rank prints: mpiexec interleaves the ranks' output byte by byte
+    print("sum", b.tolist(), flush=True)
 """
 
 
@@ -155,5 +156,5 @@ def test_a_job_that_never_finalizes_leaves_no_persistent_meeting() -> None:
     never finalized) are freed before MPI_Finalize: MPI names every one left at exit."""
     job = run_job(mpiexec(2, sys.executable, "-c", LEFT_OPEN), deadline=40, env=_env())
     assert job.code == 0, job.out + job.err
-    assert job.out.count("sum [2.0, 2.0]") == 2, job.out
+    assert "sum [2.0, 2.0]" in job.out, job.out
     assert "persistent" not in job.err, job.err

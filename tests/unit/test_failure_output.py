@@ -74,13 +74,15 @@ def test_an_error_every_rank_raises_prints_one_traceback() -> None:
                         r"by the first rank of this node to fail; init\(tracebacks='all'\)", out)
     assert first[0] not in others and len(set(others)) == len(others), out
     # the first rank's header and 4 lines of traceback, a line from each other rank that
-    # failed before the first one's abort ended it, and that abort, reported once by MPICH
+    # failed before the first one's abort ended it, and that abort, reported at most once by
+    # MPICH: its line is written inside MPI_Abort, which has the process manager kill the
+    # job, so the proxy may die before it forwards that line (ours precede it by a pause)
     report = [line for line in job.err.splitlines() if not line.startswith("Abort(")]
     mine = [line for line in report if line.startswith(f"[rank {first[0]}] ")]
     assert mine[0].endswith("unhandled ConfigError; aborting all 4 ranks")
     assert mine[1].endswith("Traceback (most recent call last):"), job.err
     assert len(report) == len(mine) + len(others), job.err
-    assert len(re.findall(r"^Abort\(1\) on node", job.err, re.M)) == 1, job.err
+    assert len(re.findall(r"^Abort\(1\) on node", job.err, re.M)) <= 1, job.err
     _assert_no_segments_left(out)
 
 

@@ -428,3 +428,31 @@ def test_a_checked_avg_of_a_scalar_is_divided(world: Transport) -> None:
         world.checked(Check([1, 2, 3], agrees, timeout=TIMEOUT),  # type: ignore[attr-defined]
                       "all_reduce", buf, ReduceOp.AVG).wait(TIMEOUT)
         assert buf.shape == () and buf == np.float32(sum(range(world.size)) / world.size)
+
+
+@pytest.mark.parametrize("dt", ["float32", "float64", "int64", "float16"])
+@pytest.mark.parametrize("op", OPS)
+def test_a_checked_small_all_reduce_is_the_fold_in_rank_order(
+        world: Transport, op: str, dt: str) -> None:
+    """A small all_reduce reduced in its check record: every rank gets the left fold
+    ``((x_0 op x_1) op x_2) ...`` bit for bit (normal floats, so the order shows), in the
+    staging dtype where there is one (float16: float32), 0-d and strided shapes alike, on
+    the first call of a kind and on the next, which reuses that kind's views."""
+    f = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+         "max": np.maximum}[op]
+    wide = np.float32 if dt == "float16" else to_numpy(dt)
+    for shape in [(), (1,), (3, 2)]:
+        for call in range(2):
+            rng = [np.random.default_rng([call, len(shape), r]) for r in range(world.size)]
+            xs = [g.standard_normal(shape).astype(to_numpy(dt)) for g in rng]
+            acc = np.array(xs[0], wide)
+            for x in xs[1:]:
+                f(acc, x.astype(wide), out=acc)
+            if op == "avg":
+                acc = acc // world.size if acc.dtype.kind == "i" else acc / world.size
+            buf = xs[world.rank].copy()
+            world.checked(Check([4, 5, 6], lambda rows: all(r == rows[0] for r in rows),
+                                timeout=TIMEOUT),  # type: ignore[attr-defined]
+                          "all_reduce", buf, ReduceOp.parse(op)).wait(TIMEOUT)
+            assert buf.shape == shape
+            assert buf.tobytes() == np.asarray(acc).astype(buf.dtype).tobytes(), (shape, call)

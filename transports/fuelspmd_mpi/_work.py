@@ -113,7 +113,8 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
         if plan.avg:
             divide(out, parts.shape[0])
     else:
-        wide = UFUNCS[op].reduce(parts.astype(plan.stage), axis=0)
+        wide = np.empty(out.shape, plan.stage)  # an array: a 0-d reduce returns a scalar,
+        UFUNCS[op].reduce(parts.astype(plan.stage), axis=0, out=wide)  # which divide copies
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide

@@ -26,7 +26,7 @@ from typing import Any
 import array_api_compat.numpy as compat_numpy
 import numpy as np
 
-from fuelspmd.dtypes import DType, Shape, bfloat16, to_numpy
+from fuelspmd.dtypes import DType, Shape, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import DeviceError, DTypeError
 
@@ -235,17 +235,18 @@ class Backend:
         """Return this library's dtype object for ``dt``."""
         dt = as_dtype(dt)
         if self.kind == "strict":
-            if dt is bfloat16:
-                raise DTypeError("array-api-strict has no bfloat16; use float16 or float32")
+            if not hasattr(self.xp, dt.name):  # the standard's dtypes: no 16-bit floats
+                raise DTypeError(f"a strict device holds the Array API standard's dtypes, "
+                                 f"which have no {dt.name}; use float32 or float64 there")
             return getattr(self.xp, dt.name)
         return to_numpy(dt)
 
     def asarray(self, data: Any, dt: DType | str | None = None) -> Any:
         """Return ``data`` as an array of this library (copying only when needed)."""
         if self.kind == "strict" and isinstance(data, np.ndarray):
-            if dt is not None:
-                data = data.astype(to_numpy(dt), copy=False)
-            return self.xp.asarray(data)
+            dt = as_dtype(data.dtype.name if dt is None else dt)
+            self.dtype(dt)  # a dtype the standard lacks: DTypeError, not the library's own
+            return self.xp.asarray(data.astype(to_numpy(dt), copy=False))
         return self.xp.asarray(data, dtype=None if dt is None else self.dtype(dt))
 
     def empty(self, shape: Shape, dt: DType | str) -> Any:

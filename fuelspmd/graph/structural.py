@@ -248,8 +248,9 @@ def _to_rule(inputs: tuple[Node, ...], attrs: Attrs) -> Rule:
     (x,), (dst, src) = inputs, attrs
     if x.device != src:
         raise RuntimeError(f"to: input lives on {x.device}, attrs say {src}")
-    if dst.kind == "strict" and x.dtype.name == "bfloat16":
-        raise DTypeError("to: array-api-strict has no bfloat16; cast to float32 first")
+    if dst.kind == "strict" and x.dtype.name in ("float16", "bfloat16"):  # not standard
+        raise DTypeError(f"to: a strict device holds the Array API standard's dtypes, which "
+                         f"have no {x.dtype.name}; cast to float32 first")
     return x.shape, x.dtype, dst
 
 

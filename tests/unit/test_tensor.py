@@ -158,3 +158,20 @@ def test_numpy_interop_and_iteration() -> None:
     rows = list(fs.tensor(a))
     assert len(rows) == 3 and all(isinstance(r, fs.Tensor) for r in rows)
     np.testing.assert_array_equal(rows[2].numpy(), a[2])
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_a_strict_device_refuses_16_bit_floats_with_a_typed_error(dt: str) -> None:
+    """The Array API standard has no 16-bit floats: a strict device says so (DTypeError,
+    naming the dtype and the fix) wherever one would reach it, never the library's own
+    TypeError."""
+    from fuelspmd.dtypes import to_numpy
+    from fuelspmd.errors import DTypeError
+
+    host = np.ones(3, to_numpy(dt))
+    with pytest.raises(DTypeError, match=f"no {dt}; use float32"):
+        fs.tensor(host, device="strict:0")
+    with pytest.raises(DTypeError, match=f"no {dt}; cast to float32"):
+        fs.tensor(host).to("strict:0")
+    with pytest.raises(DTypeError, match=f"no {dt}; use float32"):
+        fs.zeros((3,), dtype=dt, device="strict:0").numpy()

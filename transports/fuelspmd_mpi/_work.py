@@ -114,7 +114,7 @@ def local_reduce(parts: np.ndarray, op: ReduceOp, plan: ReducePlan, out: np.ndar
             divide(out, parts.shape[0])
     else:
         wide = np.empty(out.shape, plan.stage)  # an array: a 0-d reduce returns a scalar,
-        UFUNCS[op].reduce(parts.astype(plan.stage), axis=0, out=wide)  # which divide copies
+        UFUNCS[op].reduce(parts.astype(plan.stage), axis=0, out=wide)  # which divide rebinds
         if plan.avg:
             divide(wide, parts.shape[0])
         out[...] = wide

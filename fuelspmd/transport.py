@@ -31,11 +31,11 @@ capability     methods and contract
 =============  ========================================================================
 ``checked``    ``checked(check, op, *args) -> Work``: the collective ``op(*args)`` (a
                method name of the protocol) whose ranks first compare ``check.words``
-               where they meet anyway (a header, or one fixed-size exchange that may
-               carry a small collective whole): no data moves unless
-               ``check.agrees(rows)`` holds for every rank's words, else every rank
-               raises :class:`Disagreement` with the same rows. While it waits it
-               calls ``check.watch()`` every :data:`WATCH_S`, and gives up at
+               (:data:`CHECK_WORDS` int64s) where they meet anyway (a header, or one
+               fixed-size exchange that may carry a small collective whole): no data
+               moves unless ``check.agrees(rows)`` holds for every rank's words, else
+               every rank raises :class:`Disagreement` with the same rows. While it
+               waits it calls ``check.watch()`` every :data:`WATCH_S`, and gives up at
                ``check.timeout``.
 ``probe``      ``probe(peer, tag) -> int | None``: the rank of a peer (``peer``, or any
                when None) whose message with ``tag`` has arrived, without receiving it.
@@ -48,6 +48,12 @@ capability     methods and contract
                ``all_reduce_algorithm(nbytes, dtype=None) -> str`` and
                ``explain_all_reduce(nbytes, dtype=None) -> str``: how the transport
                chooses its all-reduce algorithm per size, and why.
+``runs``       ``begin_run(memo) -> None`` and ``end_run(memo, ok) -> None``: the
+               operations between them are one run of a plan (a graph's schedule, the
+               same operations every run); ``memo`` is a dict the caller keeps for that
+               plan, where the transport may remember what the plan's last run issued.
+               ``ok`` is False when the run raised. Runs do not nest: a ``begin_run``
+               while one is open is ignored, and so is its ``end_run``.
 ``finalize``   ``finalize() -> None``: release what the transport holds (collective).
 ``device``     ``device: Device``: the device whose buffers the transport takes (a
                transport bound to one GPU, as NCCL's is).
@@ -80,6 +86,7 @@ from fuelspmd.errors import (
 
 __all__ = [
     "CAPABILITIES",
+    "CHECK_WORDS",
     "ENTRY_POINT_GROUP",
     "WATCH_S",
     "Check",
@@ -101,8 +108,9 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "fuelspmd.transports"
-CAPABILITIES = frozenset({"checked", "probe", "lend", "shared", "route", "finalize",
+CAPABILITIES = frozenset({"checked", "probe", "lend", "shared", "route", "runs", "finalize",
                           "device"})
+CHECK_WORDS = 4  # the int64 words of a Check
 # How often a wait inside a transport call (or the guard's own) lets the caller look
 # around (``Check.watch``): the slice within which a disagreement between ranks waiting in
 # different places is found.
@@ -150,9 +158,10 @@ class Work(Protocol):
 class Check:
     """What a caller asks a ``checked`` transport to compare before any data moves.
 
-    ``words`` are this rank's (a few int64s); the transport hands every rank's words, in
-    rank order, to ``agrees(rows)``, which must be a pure function of ``rows`` (every rank
-    reads the same rows, so every rank decides the same). ``watch`` is called every
+    ``words`` are this rank's (:data:`CHECK_WORDS` int64s); the transport hands every
+    rank's words, in rank order, to ``agrees(rows)``, whose answer, and whatever it notes
+    of them, must be a pure function of ``rows`` (every rank reads the same rows, so every
+    rank decides the same). ``watch`` is called every
     :data:`WATCH_S` while the call waits for its peers; ``timeout`` bounds that wait.
     """
 

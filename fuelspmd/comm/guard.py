@@ -15,7 +15,10 @@ guarantees, and how:
    ranks meet anyway (the ``checked`` capability), else in one fixed-size all_gather on a
    private split of the transport (the *control* channel, :meth:`Guard.meet`). Every rank
    reads the same rows, so every rank decides the same; when they disagree, every rank
-   raises :class:`~fuelspmd.errors.CollectiveMismatchError` (:meth:`Guard.explain`).
+   raises :class:`~fuelspmd.errors.CollectiveMismatchError` (:meth:`Guard.explain`). A
+   plan run again is compared whole at its first collective: a fourth word, the digest
+   of the digests its last run issued, lets every rank issue the rest unmet, each call
+   checked against its recorded digest (``GuardedTransport``'s ``_Run``).
 2. **A send meets its recv.** Each send's fingerprint follows it on the control channel
    (one ordered stream per pair, tag :data:`TAG_P2P`); a recv is released only once the
    sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).
@@ -99,7 +102,7 @@ def _text(note: np.ndarray) -> str:
 
 
 def agrees(rows: list[list[int]]) -> bool:
-    """Whether every rank's ``[digest, cseq, fence]`` agree (see the module docstring)."""
+    """Whether every rank's ``[digest, cseq, fence, ...]`` agree (see the module docstring)."""
     d, c = rows[0][0], rows[0][1]
     total = 0
     for r in rows:
@@ -180,7 +183,7 @@ class Guard:
         rows = np.empty(self.size * mine.size, np.int64)
         self.wait_work(self.control.all_gather(mine, rows), self.timeout, "the check")
         table = rows.reshape(self.size, -1).tolist()
-        if not agrees(table):
+        if not check.agrees(table):
             raise Disagreement("the guard's check", table)
 
     def sent_to(self, peer: int, encoded: np.ndarray) -> int:

@@ -24,7 +24,16 @@ from fuelspmd.comm.fingerprint import CSEQ, SEQ, TAG, Fingerprint, diff, digest,
 from fuelspmd.comm.guard import Guard, agrees
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.errors import CommError
-from fuelspmd.transport import DONE, Check, ReduceOp, Transport, Work, check_buffers, check_peer
+from fuelspmd.transport import (
+    DONE,
+    Check,
+    ReduceOp,
+    Transport,
+    Work,
+    check_buffers,
+    check_peer,
+    digest62,
+)
 
 __all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
 
@@ -37,14 +46,44 @@ _PASSED = frozenset({"lend", "route", "finalize"})
 
 class _Call:
     """One kind of operation (op, shape, dtype, reduce op, root, peers): its fingerprint
-    template, encoding and check words, built once."""
+    template, encoding and check words ``[digest, cseq, fence, 0]``, built once."""
 
     __slots__ = ("check", "encoded", "fp")
 
     def __init__(self, fp: Fingerprint, guard: Guard) -> None:
         self.fp, self.encoded = fp, fp.encode()
-        self.check = (Check([digest(self.encoded), 0, 0], agrees, guard.watch, guard.timeout)
-                      if guard.checks else None)
+        self.check = (Check([digest(self.encoded), 0, 0, 0], agrees, guard.watch,
+                            guard.timeout) if guard.checks else None)
+
+
+class _Run:
+    """One run of a plan on a guarded transport (the ``runs`` capability), checked whole.
+
+    ``memo["ops"]`` holds the digests of the collectives the plan's last run issued here,
+    when every one met and agreed and none was a send or recv (``memo["p2p"]``: the plan
+    sends or receives here, so its runs meet call by call). The run's first collective
+    carries ``memo["word"]``, a digest of those digests, as its fourth check word (0 on a
+    rank without them, or whose first call is not the one recorded). When every rank's
+    words agree and carry the same run word (all read the same rows, so all decide alike),
+    every rank issues the recorded collectives next without meeting (``ahead``), each
+    checked here against its digest. A rank that would issue anything else, or stops short,
+    fails its guard instead (the job must end, as when a transport refuses a call every rank
+    agreed on): its peers' calls would meet nothing, and they hear of it within a slice.
+    """
+
+    __slots__ = ("ahead", "at", "check", "memo", "record", "word")
+
+    def __init__(self, memo: dict[str, Any], guard: Guard) -> None:
+        self.memo, self.at, self.word = memo, 0, 0
+        self.record: list[int] | None = None if "ops" in memo else []  # digests issued
+        self.ahead: tuple[int, ...] | None = None  # the agreed rest of the run
+        self.check: Check | None = Check([0, 0, 0, 0], self.agrees, guard.watch, guard.timeout)
+
+    def agrees(self, rows: list[list[int]]) -> bool:
+        """:func:`agrees`, noting the run word when every rank carries the same."""
+        w = rows[0][3]
+        self.word = w if all(r[3] == w for r in rows) else 0
+        return agrees(rows)
 
 
 class GuardedWork:
@@ -106,7 +145,8 @@ class GuardedTransport:
         self.name = f"guarded-{transport.name}"
         self.rank, self.size = transport.rank, transport.size
         self.tag_bound = transport.tag_bound
-        self.capabilities = frozenset(transport.capabilities & _PASSED)
+        self.capabilities = frozenset(transport.capabilities & _PASSED) | (
+            {"runs"} if mode == "default" and transport.size > 1 else set())
         self.group = group_id(range(transport.size)) if group is None else int(group)
         self.guard = Guard(transport, mode=mode, timeout=timeout, recorder=recorder,
                            group=self.group, world_rank=world_rank, trace_dir=trace_dir)
@@ -118,6 +158,7 @@ class GuardedTransport:
             and self.guard.checks else None)
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
+        self._run: _Run | None = None  # the plan run open here (begin_run)
         self._bare = recorder is None and not self._debug  # a completed op leaves nothing
         self._inner_all_reduce = transport.all_reduce
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
@@ -157,26 +198,29 @@ class GuardedTransport:
             g.raise_if_failed()
         seq, cseq = self.seq, self.cseq
         check = call.check
+        run = self._run
         if check is None:  # off mode, or one rank
             work = method(*args)
         else:  # recorded once issued (a caller's mistake raises before, and leaves none)
             g.begin(call.encoded, seq, cseq, 0, -1, call.fp)
-            w = check.words
-            w[1], w[2] = cseq, g.fence
             try:
-                if self._checked is not None:  # a caller's mistake raises before the meeting
-                    work = self._checked(check, name, *args)
+                if run is not None and run.ahead is not None:  # agreed with the run's first
+                    self._follow(run, call, seq)
+                    work = self._issue(call, seq, method, args)
                 else:
-                    g.meet(check)
-                    try:
-                        work = method(*args)
-                    except Exception as e:  # every rank agreed: a refusal puts them out of step
-                        if not isinstance(e, CommError):
-                            g.fail(f"{call.fp.op} #{seq} was agreed by every rank of group "
-                                   f"{self.group}, but rank {self.rank}'s transport refused "
-                                   f"to issue it ({type(e).__name__}: {e}); the job must end",
-                                   CommError, raise_now=False)
-                        raise
+                    if run is not None and run.check is not None:  # the run's first call
+                        d, ops, check = check.words[0], run.memo.get("ops"), run.check
+                        check.words[0] = d
+                        check.words[3] = run.memo["word"] if ops and ops[0] == d else 0
+                    w = check.words
+                    w[1], w[2] = cseq, g.fence
+                    if self._checked is not None:  # a caller's mistake raises before it
+                        work = self._checked(check, name, *args)
+                    else:
+                        g.meet(check)
+                        work = self._issue(call, seq, method, args)
+                    if run is not None:
+                        self._met(run, w[0])
             except CommError as e:
                 g.fail_with(e)
                 raise
@@ -187,6 +231,65 @@ class GuardedTransport:
         rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         return GuardedWork(g, work, call.encoded, seq, cseq, rec,
                            result=result if self._debug else None)
+
+    def _issue(self, call: _Call, seq: int, method: Callable[..., Work],
+               args: tuple[Any, ...]) -> Work:
+        """Issue a collective every rank agreed on: a refusal puts them out of step."""
+        try:
+            return method(*args)
+        except Exception as e:
+            if not isinstance(e, CommError):
+                self.guard.fail(f"{call.fp.op} #{seq} was agreed by every rank of group "
+                                f"{self.group}, but rank {self.rank}'s transport refused to "
+                                f"issue it ({type(e).__name__}: {e}); the job must end",
+                                CommError, raise_now=False)
+            raise
+
+    def _met(self, run: _Run, d: int) -> None:
+        """The run's collective of digest ``d`` met and agreed."""
+        if run.check is not None:  # the first: every rank carried this run word, or not
+            run.check = None
+            if run.word:
+                run.ahead, run.at = run.memo["ops"], 1
+                return
+        if run.record is not None:
+            run.record.append(d)
+
+    def _follow(self, run: _Run, call: _Call, seq: int) -> None:
+        """Raise (failing the guard) unless ``call`` is the next one of the agreed run."""
+        ahead, at = run.ahead, run.at
+        assert ahead is not None and call.check is not None
+        if at < len(ahead) and ahead[at] == call.check.words[0]:
+            run.at = at + 1
+            return
+        self._stray(run, f"{call.fp.op} #{seq}, a call other than the run's #{at + 1} "
+                    f"(of {len(ahead)})")
+
+    def _stray(self, run: _Run, what: str, *, raise_now: bool = True) -> None:
+        assert run.ahead is not None
+        self._run = None
+        self.guard.fail(f"rank {self.rank} of group {self.group} left a plan run every rank "
+                        f"had agreed to issue whole ({len(run.ahead)} collectives, the "
+                        f"same as its last run): it issued {what}; its peers' calls would "
+                        f"meet nothing, so the job must end", CommError, raise_now=raise_now)
+
+    def begin_run(self, memo: dict[str, Any]) -> None:
+        """The ``runs`` capability: a plan's run starts (see :class:`_Run`)."""
+        if self._run is None and not memo.get("p2p"):
+            self._run = _Run(memo, self.guard)
+
+    def end_run(self, memo: dict[str, Any], ok: bool) -> None:
+        """The plan run of ``memo`` ended (``ok``: it finished): keep what it issued."""
+        run = self._run
+        if run is None or run.memo is not memo:
+            return
+        self._run = None
+        if run.ahead is not None and run.at < len(run.ahead):
+            self._stray(run, f"only {run.at} of them ({'finished' if ok else 'it raised'})",
+                        raise_now=ok)
+        if ok and run.record is not None and len(run.record) > 1:
+            memo["ops"] = ops = tuple(run.record)
+            memo["word"] = digest62(np.array(ops, np.int64).tobytes()) or 1
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
@@ -247,6 +350,12 @@ class GuardedTransport:
         g.raise_if_failed()
         check_peer(op, peer, self.size)
         check_buffers(op, self.size, buf)
+        run = self._run
+        if run is not None:  # a run that sends or receives is checked call by call
+            if run.ahead is not None:
+                self._stray(run, f"a {op}")
+            run.record = None
+            run.memo["p2p"] = True
         work = (self.inner.send if op == "send" else self.inner.recv)(buf, peer, tag)
         call = self._call(op, buf, src=src, dst=dst)
         seq, cseq = self.seq, self.cseq

@@ -269,7 +269,8 @@ class Executor:
 
     def execute(self, plan: Plan, vals: list[Any], mem: Memory | None = None) -> None:
         """Run ``plan``'s steps over ``vals`` (its leaves' buffers in their slots), with the
-        buffers of ``mem`` (a pool kept across runs of this plan) or of this run alone."""
+        buffers of ``mem`` (a pool kept across runs of this plan) or of this run alone,
+        between the run hooks of its streams (``plan.runs``)."""
         for slot, arr, _ in plan.presets:
             vals[slot] = arr
         if mem is None:
@@ -277,17 +278,33 @@ class Executor:
             mem.live = mem.peak = plan.owned_bytes
         else:
             mem.start(plan.owned_bytes)
-        nbytes = plan.nbytes
-        for s in plan.steps:
-            s.run(vals, mem)
-            for slot, pool in s.release:
-                mem.release(vals[slot], pool, nbytes[slot])
-                vals[slot] = None
-            for slot in s.drop:
-                vals[slot] = None
+        runs = plan.runs
+        if runs:
+            for op, attrs, memo in runs:
+                op.begin_run(attrs, memo)
+            ok = False
+            try:
+                _steps(plan, vals, mem)
+                ok = True
+            finally:
+                for op, attrs, memo in runs:
+                    op.end_run(attrs, memo, ok)
+        else:
+            _steps(plan, vals, mem)
         self.peak_bytes = mem.peak
         self.allocations = mem.allocations
         self.runs += 1
+
+
+def _steps(plan: Plan, vals: list[Any], mem: Memory) -> None:
+    nbytes = plan.nbytes
+    for s in plan.steps:
+        s.run(vals, mem)
+        for slot, pool in s.release:
+            mem.release(vals[slot], pool, nbytes[slot])
+            vals[slot] = None
+        for slot in s.drop:
+            vals[slot] = None
 
 
 _DEFAULT: list[Executor] = []

@@ -533,3 +533,127 @@ def test_a_recv_of_a_message_already_sent_is_not_a_mismatch(world: Any) -> None:
             with pytest.raises(CollectiveMismatchError, match="point-to-point mismatch"):
                 guard._square(1, note)
         world.comm.Barrier()  # no rank's guard says bye before rank 0 has begun its recv
+
+
+def _counted(g: GuardedTransport) -> list[int]:
+    """Count the meetings of ``g``'s collectives from now on: its transport's ``checked``,
+    or the guard's own on its control channel."""
+    n = [0]
+    inner = g._checked or g.guard.meet
+
+    def counted(*args: Any) -> Any:
+        n[0] += 1
+        return inner(*args)
+
+    if g._checked is not None:
+        g._checked = counted
+    else:
+        g.guard.meet = counted  # type: ignore[method-assign]
+    return n
+
+
+def _plan_step(comm: Any, xs: list[Any]) -> list[np.ndarray]:
+    """Five collectives realised as one graph (one plan): a training step's gradients."""
+    from fuelspmd.tensor import realize
+
+    ys = [comm.all_reduce(x) for x in xs[:3]] + [comm.all_reduce(xs[3], "max"),
+                                                  comm.all_gather(xs[4])]
+    realize(*ys)
+    return [y.numpy() for y in ys]
+
+
+def _leaves(r: int) -> list[Any]:
+    from fuelspmd.tensor import tensor
+
+    return [tensor(np.full(n, float(r + k), np.float32))
+            for k, n in enumerate([3, 4096, N, 5, 2])]
+
+
+def _expect(size: int) -> list[np.ndarray]:
+    s = sum(range(size))
+    return [np.full(3, s, np.float32), np.full(4096, s + size, np.float32),
+            np.full(N, s + 2 * size, np.float32), np.full(5, size - 1 + 3, np.float32),
+            np.concatenate([np.full(2, r + 4.0, np.float32) for r in range(size)])]
+
+
+@contextmanager
+def _over_the_seam(world: Any) -> Iterator[GuardedTransport]:
+    seam = _Seam(world.split(0, world.rank), frozenset({"probe"}))
+    g = GuardedTransport(seam, timeout=GUARD_TIMEOUT)
+    try:
+        yield g
+    finally:
+        g.close()
+        drain(seam.comm, world.comm)
+        seam.inner.finalize()
+
+
+@pytest.mark.parametrize("algo", ["mpi", "shm", "seam"])
+def test_a_plan_run_meets_once_when_every_rank_ran_it_before(world: Any, algo: str) -> None:
+    """A plan's first run meets per collective; each later run meets once, its first
+    collective carrying a digest of the run, and the rest follow unmet. A rank whose plan
+    is new (its cache was cleared) makes that run meet per collective on every rank. The
+    same over a transport without ``checked`` (the guard's own meetings)."""
+    _need2(world)
+    from fuelspmd.comm.communicator import Communicator
+    from fuelspmd.graph.executor import default_executor
+
+    with (_over_the_seam(world) if algo == "seam"
+          else guarded(world, algo, recorder=False)) as g:
+        comm = Communicator(g, device="cpu:0")
+        xs, want = _leaves(g.rank), _expect(g.size)
+        met = _counted(g)
+        per_run = []
+        for run in range(5):
+            if run == 2 and g.rank == 0:
+                default_executor().cache.clear()  # rank 0 plans again: no run word
+            before = met[0]
+            for got, w in zip(_plan_step(comm, xs), want):
+                np.testing.assert_array_equal(got, w)
+            per_run.append(met[0] - before)
+        assert per_run == [5, 1, 5, 1, 1], per_run
+        g.barrier().wait()
+
+
+def _run(g: GuardedTransport, memo: dict[str, Any], sizes: list[int], ok: bool = True) -> None:
+    g.begin_run(memo)
+    for n in sizes:
+        b = np.ones(n, np.float32)
+        g.all_reduce(b, "sum").wait()
+        assert b[0] == g.size
+    g.end_run(memo, ok)
+
+
+@pytest.mark.parametrize("how", ["other call", "stops short", "raises", "sends"])
+def test_a_rank_that_leaves_an_agreed_run_fails_every_rank(world: Any, how: str) -> None:
+    """Every rank agreed on a run's calls at its first; one rank then issues another
+    collective, a send, or ends the run early (finished or raising): it raises CommError
+    there before issuing anything more, and every rank left waiting in the run's next
+    collective raises within 5 s (its abort note)."""
+    _need2(world)
+    with guarded(world, "mpi", recorder=False) as g:
+        memo: dict[str, Any] = {}
+        _run(g, memo, [4, 8, 16])
+        _run(g, memo, [4, 8, 16])
+        bad = g.rank == world.size - 1
+
+        def step() -> None:
+            if not bad:
+                _run(g, memo, [4, 8, 16])
+            elif how == "other call":
+                _run(g, memo, [4, 9, 16])
+            elif how == "sends":
+                g.begin_run(memo)
+                g.all_reduce(np.ones(4, np.float32), "sum").wait()
+                g.send(np.ones(2), 0, 0)
+            else:
+                _run(g, memo, [4], ok=how == "stops short")
+                if how == "raises":  # the run's own error went up; the guard failed too
+                    g.barrier()
+
+        every = outcome(world, step)
+        for rank, (kind, took, text) in enumerate(every):
+            assert kind == "CommError", (rank, kind, text)
+            assert took < 5.0 and "left a plan run" in text, (rank, took, text)
+        with pytest.raises(CommError):
+            g.barrier()

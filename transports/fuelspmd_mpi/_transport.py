@@ -24,6 +24,7 @@ import numpy as np
 
 from fuelspmd.errors import CommError, ConfigError
 from fuelspmd.transport import (
+    CHECK_WORDS,
     DONE,
     Check,
     Disagreement,
@@ -54,7 +55,7 @@ _MPI_ONLY = Route.of(manual_bands("mpi", 0, 0, "the default"))
 _ndarray = np.ndarray
 DEFAULT_SHM_CAP = 256 << 20  # bytes of shared window per rank, by default
 INLINE = 512  # bytes of a check record's payload (MPITransport.checked)
-_RECORD = 3 + INLINE // 8
+_RECORD = CHECK_WORDS + INLINE // 8
 
 
 class _Inline(NamedTuple):
@@ -75,8 +76,8 @@ class _Inline(NamedTuple):
 def _records(size: int) -> tuple[np.ndarray, ...]:
     """A check record, every rank's, and the views the meetings read: the words, this
     rank's payload slot, every rank's payload."""
-    mine, rows = np.zeros(_RECORD, np.int64), np.empty((size, _RECORD), np.int64)
-    return mine, rows, rows[:, :3], mine[3:].view(np.uint8), rows[:, 3:].view(np.uint8)
+    mine, rows, w = np.zeros(_RECORD, np.int64), np.empty((size, _RECORD), np.int64), CHECK_WORDS
+    return mine, rows, rows[:, :w], mine[w:].view(np.uint8), rows[:, w:].view(np.uint8)
 
 
 _MEETINGS: dict[int, Any] = {}  # persistent meetings not freed yet, by id
@@ -331,8 +332,7 @@ class MPITransport:
                             f"{self._met_failed}; the job must end")
         rec = self._records
         mine, rows = rec[0], rec[1]
-        w = check.words
-        mine[0], mine[1], mine[2] = w[0], w[1], w[2]
+        mine[0], mine[1], mine[2], mine[3] = check.words  # CHECK_WORDS of them
         if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
             rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self._meeting

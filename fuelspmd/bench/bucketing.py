@@ -1,6 +1,7 @@
 """``fuelspmd bench bucketing``: many small lazy all_reduces realised together, bucketed.
 
-    mpiexec -n 2 fuelspmd bench bucketing [--count 256] [--bytes 16K] [--bucket 4M] [--json]
+    mpiexec -n 2 fuelspmd bench bucketing [--count 256] [--bytes 16K] [--bucket 4M]
+        [--check default|off] [--json]
 
 What a data-parallel step does with its gradients: ``count`` all_reduces of ``bytes``
 each. Candidates, interleaved round by round (A, B, C, A, B, C ...), each round started at
@@ -21,6 +22,10 @@ a barrier and timed on the slowest rank:
   (``all_reduce(buf).wait()``, non-blocking MPI polled to completion): ``bucketed`` minus
   ``floor_fs`` is what the graph costs (building the nodes, the copy into the bucket, the
   views out), ``floor_fs`` minus ``floor`` what the transport costs.
+
+The world is checked as ``fs.init`` checks it (``--check default``: every all_reduce is
+compared across ranks before its data moves, :mod:`fuelspmd.comm.guard`); ``--check off``
+measures the transport alone, so the two runs side by side give what the guard costs.
 
 ``ratio`` = candidate time / mpi4py time, the median of the paired per-round ratios
 (target for ``bucketed``: at most 0.5). Results are checked against numpy once.
@@ -133,15 +138,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--bytes", default="16K", help="bytes of each (16K)")
     p.add_argument("--bucket", default="4M", help="bucket size of the bucketed candidate (4M)")
     p.add_argument("--iters", type=int, default=40, help="timed rounds per candidate (40)")
+    p.add_argument("--check", default="default", choices=("default", "off"),
+                   help="fs.init's check mode (default: checked, as users run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
     try:
         if args.count < 1 or args.iters < 1:
             raise ConfigError(f"bench bucketing: --count and --iters must be >= 1 (got "
                               f"{args.count}, {args.iters})")
-        t = init().transport
+        t = init(check=args.check).transport
         res = run(t, count=args.count, nbytes=parse_bytes(args.bytes),
                   bucket=parse_bytes(args.bucket), rounds=args.iters)
+        res["check"] = args.check
     except ConfigError as e:
         print(f"fuelspmd bench bucketing: {e}", file=sys.stderr, flush=True)
         return 2
@@ -153,8 +161,8 @@ def main(argv: list[str]) -> int:
     rows = [{"what": k, "ms": res[f"{k}_ms"], "ratio": res[f"{k}_ratio"]}
             for k in ("mpi4py", "lazy", "bucketed", "floor", "floor_fs")]
     print_table(f"{res['count']} all_reduces of {res['bytes']} B, {res['ranks']} ranks, "
-                f"bucket {res['bucket_bytes']} B (median of {res['rounds']} rounds, slowest "
-                "rank; ratio = time / mpi4py time)",
+                f"bucket {res['bucket_bytes']} B, check {res['check']} (median of "
+                f"{res['rounds']} rounds, slowest rank; ratio = time / mpi4py time)",
                 [Column("candidate", "what"), Column("ms/step", "ms", "{:.3f}"),
                  Column("ratio", "ratio", "{:.3f}")], rows)
     return 0

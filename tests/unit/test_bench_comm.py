@@ -34,15 +34,17 @@ def test_device_group_bench_json() -> None:
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_bucketing_bench_json_at_two_ranks() -> None:
+@pytest.mark.parametrize("check", ["default", "off"])
+def test_bucketing_bench_json_at_two_ranks(check: str) -> None:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "MPI_", "OMPI_", "SLURM_", "HYDRA"))}
     run = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "fuelspmd.bench.bucketing",
                           "--count", "16", "--bytes", "4K", "--bucket", "32K", "--iters", "3",
-                          "--json"], capture_output=True, text=True, env=env, timeout=100)
+                          "--check", check, "--json"], capture_output=True, text=True, env=env,
+                         timeout=100)
     assert run.returncode == 0, run.stderr
     res = json.loads(run.stdout)
-    assert (res["ranks"], res["count"], res["bytes"], res["bucket_bytes"]) == (2, 16, 4096,
-                                                                             32768)
+    assert (res["ranks"], res["count"], res["bytes"], res["bucket_bytes"], res["check"]) == (
+        2, 16, 4096, 32768, check)
     assert res["mpi4py_ratio"] == 1.0
     assert all(res[f"{k}_ms"] > 0 for k in ("mpi4py", "lazy", "bucketed", "floor", "floor_fs"))

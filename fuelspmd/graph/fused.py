@@ -1,7 +1,9 @@
 """Fused elementwise groups: one step computes a whole chain of elementwise ops.
 
 The planner hands over a group (members in topological order, the last one the root; each
-member has the root's shape) and the group's external inputs. Three runners:
+member has the root's shape) and the group's external inputs. :func:`encode` writes it in
+its own registers (:class:`Group`), so equal groups of a plan are compiled once
+(:func:`build_program`) and share the program and its runner. Three runners:
 
 - numpy: the members run as ufuncs with ``out=`` into a few preallocated buffers of the
   root's shape, in cache-sized row chunks (:class:`NumpyFused`). Registers are assigned
@@ -25,10 +27,11 @@ import numpy as np
 
 from fuelspmd.dtypes import DType, Shape, to_numpy
 
+from .op import Attrs, Op
 from .passes import Instr
 
-__all__ = ["CHUNK_ELEMENTS", "CupySource", "NumpyFused", "Program", "build_program", "c_literal",
-           "cupy_kernel", "cupy_source"]
+__all__ = ["CHUNK_ELEMENTS", "CupySource", "Group", "Member", "NumpyFused", "Program",
+           "build_program", "c_literal", "cupy_kernel", "cupy_source", "encode"]
 
 
 def _where(c: Any, a: Any, b: Any, out: Any) -> None:
@@ -48,21 +51,95 @@ def numpy_fn(name: str, ufunc: str) -> Callable[..., Any]:
     return getattr(np, ufunc)
 
 
-class Program:
-    """A compiled group. Registers: external inputs, scalars, then temps (root's shape)."""
+class Member(NamedTuple):
+    """A member as its program computes it; where its operands live is the program's."""
 
-    def __init__(self) -> None:
-        self.n_ext = 0
-        self.scalars: list[tuple[Any, DType]] = []
-        self.temps: list[DType] = []          # dtype per temp; shape is the root's
+    op: Op
+    attrs: Attrs
+    dtype: DType
+
+
+class Group(NamedTuple):
+    """A fused group in its own coordinates, with no IR index in it.
+
+    A member reads registers: external input ``k`` is ``k``, the ``j``-th scalar (a const
+    fill read by a member) is ``len(ext) + j``, and the member at position ``p`` is
+    ``-1 - p``. Groups that are equal compute the same function of their registers, so
+    they share one compiled :class:`Program` (a model's repeated layers, an optimiser's
+    update of every parameter of one shape): :func:`encode` is the cheap half of
+    compiling, :func:`build_program` the rest.
+    """
+
+    rows: tuple[tuple[Op, Attrs, DType, tuple[int, ...]], ...]  # (op, attrs, dtype, args)
+    ext: tuple[tuple[Shape, DType], ...]  # each external input's shape and dtype
+    scalars: tuple[DType, ...]
+    donors: tuple[int, ...]  # the external inputs whose buffers the program may write
+    exports: tuple[int, ...]  # positions of the members that later steps read too
+    shape: Shape  # the root's, which is every member's
+
+
+def encode(ir: list[Instr], members: list[int], ext: list[int], donors: set[int],
+           exports: set[int] | None = None) -> tuple[Group, list[int]]:
+    """The :class:`Group` of ``members`` (topological, root last) reading the external
+    values ``ext``, and the IR indices of its scalars in register order.
+
+    ``donors`` are external values that die at this step and whose buffers may be
+    overwritten (given on numpy only); ``exports`` are members that later steps read too.
+    """
+    exports = exports or set()
+    reg = {v: k for k, v in enumerate(ext)}
+    for p, m in enumerate(members):
+        reg[m] = -1 - p
+    consts: list[int] = []
+    rows = []
+    n_ext = len(ext)
+    for m in members:
+        ins = ir[m]
+        args = []
+        for u in ins.ins:
+            r = reg.get(u)
+            if r is None:  # a const fill: a scalar register
+                r = reg[u] = n_ext + len(consts)
+                consts.append(u)
+            args.append(r)
+        rows.append((ins.op, ins.attrs, ins.dtype, tuple(args)))
+    group = Group(tuple(rows), tuple((ir[v].shape, ir[v].dtype) for v in ext),
+                  tuple(ir[u].dtype for u in consts),
+                  tuple(k for k, v in enumerate(ext) if v in donors),
+                  tuple(p for p, m in enumerate(members) if m in exports),
+                  ir[members[-1]].shape)
+    return group, consts
+
+
+class Program:
+    """A compiled :class:`Group`. Registers: external inputs, scalars, then temps (each of
+    the root's shape); ``code`` computes each member into its temp's register."""
+
+    def __init__(self, group: Group) -> None:
+        self.n_ext = len(group.ext)
+        self.ext = group.ext
+        self.scalars: tuple[DType, ...] = group.scalars
+        self.temps: list[DType] = []          # dtype per temp
         self.donor_of: dict[int, int] = {}    # temp -> external input it starts as
-        self.code: list[tuple[Instr, tuple[int, ...], int]] = []  # (member, arg regs, dest temp)
+        self.code: list[tuple[Member, tuple[int, ...], int]] = []  # (member, arg regs, dest)
         self.root_temp = -1
-        self.exports: list[tuple[int, int]] = []  # (value, temp) of members read outside
-        self.shape: Shape = ()
+        self.exports: list[int] = []  # the temp of each exported member, in member order
+        self.shape: Shape = group.shape
 
     def reg_of_temp(self, t: int) -> int:
         return self.n_ext + len(self.scalars) + t
+
+    def dtype_of(self, reg: int) -> DType:
+        """The dtype of register ``reg``."""
+        if reg < self.n_ext:
+            return self.ext[reg][1]
+        j = reg - self.n_ext
+        return self.scalars[j] if j < len(self.scalars) else self.temps[j - len(self.scalars)]
+
+    @property
+    def outs(self) -> list[int]:
+        """The temps the step hands out: the root's, then each export's."""
+        return [self.root_temp, *self.exports]
 
     @property
     def new_temps(self) -> list[int]:
@@ -70,78 +147,54 @@ class Program:
         return [t for t in range(len(self.temps)) if t not in self.donor_of]
 
 
-def build_program(ir: list[Instr], members: list[int], ext: list[int], donors: set[int],
-                  exports: set[int] | None = None) -> Program:
-    """Compile ``members`` (topological, root last) reading external ``ext`` values.
+def build_program(group: Group) -> Program:
+    """Assign the group's members to temps, like a register allocator.
 
-    ``donors`` are external values that die at this step and whose buffers may be
-    overwritten (only given on numpy). ``exports`` are members that later steps read too:
-    each gets a full buffer that no other member writes: its own, or that of a donor that
-    dies at it.
+    A member writes into an operand's temp once that operand is dead (when its op may
+    overwrite that operand and the dtype agrees), else into a freed temp of its dtype,
+    else a new one. An exported member gets a temp that no other member writes: a new
+    one, or a donor's that dies at it (an export keeps a full-size buffer).
     """
-    exports = exports or set()
-    prog = Program()
-    root = members[-1]
-    prog.shape = ir[root].shape
-    prog.n_ext = len(ext)
-    ext_reg = {v: k for k, v in enumerate(ext)}
-    member_set = set(members)
-    scalar_reg: dict[int, int] = {}
-    for m in members:
-        for u in ir[m].ins:
-            if u not in member_set and u not in ext_reg and u not in scalar_reg:
-                c = ir[u]
-                scalar_reg[u] = len(prog.scalars)
-                prog.scalars.append((c.attrs[0], c.dtype))
+    prog = Program(group)
+    base = prog.n_ext + len(prog.scalars)
+    exported = {-1 - p for p in group.exports}
     last_use: dict[int, int] = {}
-    for pos, m in enumerate(members):
-        for u in ir[m].ins:
-            last_use[u] = pos
-    temp_of: dict[int, int] = {}
-    for v in ext:
-        if v in donors:
-            t = len(prog.temps)
-            prog.temps.append(ir[v].dtype)
-            prog.donor_of[t] = ext_reg[v]
-            temp_of[v] = t
+    for pos, row in enumerate(group.rows):
+        for r in row[3]:
+            last_use[r] = pos
+    temp_of: dict[int, int] = {}  # external input (a donor) or member -> its temp
+    for k in group.donors:
+        temp_of[k] = len(prog.temps)
+        prog.donor_of[len(prog.temps)] = k
+        prog.temps.append(group.ext[k][1])
     free: list[int] = []
-    for pos, m in enumerate(members):
-        ins = ir[m]
+    for pos, (op, attrs, dt, args) in enumerate(group.rows):
+        me = -1 - pos
         dest = -1
-        for i, u in enumerate(ins.ins):
-            t = temp_of.get(u, -1)
-            if (t >= 0 and last_use[u] == pos and i in (ins.op.inplace_ok or ())
-                    and prog.temps[t] is ins.dtype and u not in exports
-                    and (m not in exports or t in prog.donor_of)):
-                dest = t  # an export may take only a full-size (donor's) buffer
+        for i, r in enumerate(args):
+            t = temp_of.get(r, -1)
+            if (t >= 0 and last_use[r] == pos and i in (op.inplace_ok or ())
+                    and prog.temps[t] is dt and r not in exported
+                    and (me not in exported or t in prog.donor_of)):
+                dest = t
                 break
-        if dest < 0 and m not in exports:
-            dest = next((t for t in free if prog.temps[t] is ins.dtype), -1)
+        if dest < 0 and me not in exported:
+            dest = next((t for t in free if prog.temps[t] is dt), -1)
             if dest >= 0:
                 free.remove(dest)
         if dest < 0:
             dest = len(prog.temps)
-            prog.temps.append(ins.dtype)
-        args = []
-        for u in ins.ins:
-            if u in temp_of:
-                args.append(-1 - temp_of[u])  # temps resolved after scalars are counted
-            elif u in ext_reg:
-                args.append(ext_reg[u])
-            else:
-                args.append(prog.n_ext + scalar_reg[u])
-        for u in set(ins.ins):
-            t = temp_of.get(u, -1)
-            if (t >= 0 and last_use[u] == pos and t != dest and t not in free
-                    and u not in exports):
+            prog.temps.append(dt)
+        for r in set(args):
+            t = temp_of.get(r, -1)
+            if (t >= 0 and last_use[r] == pos and t != dest and t not in free
+                    and r not in exported):
                 free.append(t)
-        temp_of[m] = dest
-        prog.code.append((ins, tuple(args), dest))
-    prog.root_temp = temp_of[root]
-    prog.exports = [(m, temp_of[m]) for m in members if m in exports]
-    base = prog.n_ext + len(prog.scalars)
-    prog.code = [(ins, tuple(base + (-1 - a) if a < 0 else a for a in args), base + dest)
-                 for ins, args, dest in prog.code]
+        regs = tuple(base + temp_of[r] if r in temp_of else r for r in args)
+        temp_of[me] = dest
+        prog.code.append((Member(op, attrs, dt), regs, base + dest))
+    prog.root_temp = temp_of[-len(group.rows)]
+    prog.exports = [temp_of[-1 - p] for p in group.exports]
     return prog
 
 
@@ -158,8 +211,9 @@ class NumpyFused:
     root's leading size is sliced, any other input broadcasts to every chunk unchanged.
     """
 
-    def __init__(self, prog: Program, ext_shapes: list[Shape]) -> None:
+    def __init__(self, prog: Program) -> None:
         self.prog = prog
+        self.np_dtypes = [to_numpy(dt) for dt in prog.temps]
         # each member as (function, getter of its operand registers then its output's):
         # ``fn(*get(regs))`` passes ``out`` by position, which every ufunc and the two
         # helpers above take, and is the cheapest call numpy has for a chunk
@@ -171,12 +225,11 @@ class NumpyFused:
         lead = shape[0] if shape else 1
         rows = max(1, CHUNK_ELEMENTS // max(row, 1))
         self.rows = rows if shape and lead > rows else 0
-        self.full_new = [t for t in [prog.root_temp, *(t for _, t in prog.exports)]
-                         if t not in prog.donor_of]
+        self.full_new = [t for t in prog.outs if t not in prog.donor_of]
         self.scratch = [t for t in prog.new_temps if t not in self.full_new]
         self.scratch_shape: Shape = ((min(rows, lead), *shape[1:]) if self.rows else shape)
         full = [*prog.donor_of, *self.full_new]
-        self.sliced = [k for k, sh in enumerate(ext_shapes)
+        self.sliced = [k for k, (sh, _) in enumerate(prog.ext)
                        if len(sh) == len(shape) and shape and sh[0] == lead and lead != 1]
         self.sliced += [self.base + t for t in full]
         self.scratch_regs = [self.base + t for t in self.scratch]
@@ -219,7 +272,7 @@ def run_generic(prog: Program, be: Any, regs: list[Any]) -> list[Any]:
     for ins, args, dest in prog.code:
         regs[dest] = ins.op.kernel(be, ins.attrs, *(regs[i] for i in args))
     outs = []
-    for t in [prog.root_temp, *(t for _, t in prog.exports)]:
+    for t in prog.outs:
         out = regs[prog.reg_of_temp(t)]
         if tuple(out.shape) != prog.shape:  # a fill read as a scalar narrowed the broadcast
             out = be.xp.broadcast_to(out, prog.shape)
@@ -296,8 +349,9 @@ def c_literal(value: Any, dt: DType) -> str:
     return text if ctype == "float" else f"(({ctype}){text})"
 
 
-def cupy_source(prog: Program, ir: list[Instr]) -> CupySource:
-    """Return the parts of a cupy ElementwiseKernel for ``prog``.
+def cupy_source(prog: Program, values: list[Any]) -> CupySource:
+    """Return the parts of a cupy ElementwiseKernel for ``prog`` with its scalars'
+    ``values`` (in register order).
 
     Each member becomes one line ``T r = expr;`` from its op's ``cexpr`` template (``a``,
     ``b``, ``c`` name its operands, ``T`` its C type); constants are inlined as typed
@@ -305,7 +359,7 @@ def cupy_source(prog: Program, ir: list[Instr]) -> CupySource:
     type and the template's C call is never ambiguous.
     """
     names = [f"x{k}" for k in range(prog.n_ext)]
-    names += [c_literal(v, dt) for v, dt in prog.scalars]
+    names += [c_literal(v, dt) for v, dt in zip(values, prog.scalars, strict=True)]
     base = len(names)
     names += [f"t{t}" for t in range(len(prog.temps))]
     lines = []
@@ -327,27 +381,19 @@ def cupy_source(prog: Program, ir: list[Instr]) -> CupySource:
         if ins.dtype.is_integer and ins.op.name in _INT_HELPERS:
             helpers[_INT_HELPERS[ins.op.name]] = None
     lines.append(f"out = t{prog.root_temp};")
-    lines += [f"e{k} = t{t};" for k, (_, t) in enumerate(prog.exports)]
-    ext = _ext_dtypes(prog, ir)
+    lines += [f"e{k} = t{t};" for k, t in enumerate(prog.exports)]
+    ext = [dt for _, dt in prog.ext]
     in_params = ", ".join(f"{dt.name} x{k}" for k, dt in enumerate(ext))
     out_params = ", ".join([f"{prog.temps[prog.root_temp].name} out"] + [
-        f"{prog.temps[t].name} e{k}" for k, (_, t) in enumerate(prog.exports)])
-    used = {dt.name for dt in [*ext, *prog.temps, *(dt for _, dt in prog.scalars)]}
+        f"{prog.temps[t].name} e{k}" for k, t in enumerate(prog.exports)])
+    used = {dt.name for dt in [*ext, *prog.temps, *prog.scalars]}
     preamble = [h for name, h in _HALF_HEADERS.items() if name in used] + list(helpers)
     return CupySource(in_params, out_params, "\n".join(lines), "\n".join(preamble))
-def _ext_dtypes(prog: Program, ir: list[Instr]) -> list[DType]:
-    found: dict[int, DType] = {}
-    for ins, args, _ in prog.code:
-        for pos, r in enumerate(args):
-            if r < prog.n_ext:
-                found[r] = ir[ins.ins[pos]].dtype
-    return [found[k] for k in range(prog.n_ext)]
-
-
-def cupy_kernel(prog: Program, ir: list[Instr]) -> Any:
-    """Build the cupy ElementwiseKernel of ``prog`` (cupy imported here, on first use)."""
+def cupy_kernel(prog: Program, values: list[Any]) -> Any:
+    """Build the cupy ElementwiseKernel of ``prog`` with its scalars' ``values`` (cupy
+    imported here, on first use)."""
     import cupy
 
-    src = cupy_source(prog, ir)
+    src = cupy_source(prog, values)
     return cupy.ElementwiseKernel(src.in_params, src.out_params, src.body, "fuelspmd_fused",
                                   preamble=src.preamble)

@@ -49,7 +49,7 @@ import numpy as np
 from fuelspmd.backend import get_backend
 from fuelspmd.dtypes import DType, to_numpy
 
-from .fused import NumpyFused, Program, build_program, cupy_kernel, run_generic, scalar_for
+from .fused import NumpyFused, Program, build_program, cupy_kernel, encode, run_generic, scalar_for
 from .passes import Instr
 
 __all__ = ["WHOLE_VIEWS", "Fused", "Kernel", "Matmul", "Memory", "Plan", "Start", "Step", "Wait",
@@ -206,10 +206,12 @@ class Matmul(Step):
 
 class Fused(Step):
     """A fused elementwise group (its ``members``, root last; ``exports``: members later
-    steps read too), compiled by :meth:`compile` once its donors are known."""
+    steps read too, in member order), compiled by :meth:`compile` once its donors are
+    known. Equal groups of one plan share their program and runner; each step keeps its
+    own scalars (``regs``)."""
 
-    __slots__ = ("cuda_kernel", "export_bytes", "members", "np_dtypes", "out_dtypes", "prog",
-                 "regs", "runner", "scratch_pool")
+    __slots__ = ("cuda_kernel", "export_bytes", "members", "prog", "regs", "runner",
+                 "scratch_pool")
 
     def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any,
                  members: list[int], exports: list[int]) -> None:
@@ -218,46 +220,51 @@ class Fused(Step):
         self.prog: Program | None = None
         self.runner: NumpyFused | None = None
         self.regs: list[Any] = []
-        self.np_dtypes: list[Any] = []
         self.scratch_pool: list[bool] = []
         self.cuda_kernel: Any = None
-        self.out_dtypes: list[DType] = []
         self.export_bytes: list[int] = []
 
     @property  # type: ignore[override]
     def kind(self) -> str:
         return {"cpu": "fused", "cuda": "fused_cupy"}.get(self.backend.kind, "fused_generic")
 
-    def compile(self, ir: list[Instr], donors: set[int]) -> None:
-        """Build the program (donors only matter on numpy) and its runner."""
-        self.prog = prog = build_program(ir, self.members, list(self.ins), donors,
-                                         set(self.exports))
-        self.exports = [v for v, _ in prog.exports]  # the program's order
-        self.export_bytes = [ir[v].size * ir[v].dtype.itemsize for v in self.exports]
+    def compile(self, ir: list[Instr], donors: set[int], compiled: dict[Any, Any]) -> None:
+        """Take the program (donors only matter on numpy) and its runner from ``compiled``
+        (the plan's, by group), or build them there."""
+        group, consts = encode(ir, self.members, list(self.ins), donors, set(self.exports))
         kind = self.backend.kind
-        if kind == "cpu":
-            self.runner = NumpyFused(prog, [ir[u].shape for u in self.ins])
-            self.np_dtypes = [to_numpy(dt) for dt in prog.temps]
-        elif kind == "cuda":
-            self.cuda_kernel = cupy_kernel(prog, ir)
-            self.out_dtypes = [self.instr.dtype, *(ir[e].dtype for e in self.exports)]
+        # a cupy kernel inlines its scalars (their Fill attributes tell -0.0 from 0.0)
+        key = (kind, group, tuple(ir[u].attrs for u in consts) if kind == "cuda" else None)
+        values = [ir[u].attrs[0] for u in consts]
+        found = compiled.get(key)
+        if found is None:
+            p = build_program(group)
+            found = compiled[key] = (p, NumpyFused(p) if kind == "cpu" else None,
+                                     cupy_kernel(p, values) if kind == "cuda" else None)
+        self.prog, self.runner, self.cuda_kernel = found
+        prog = found[0]
         self.regs = [None] * prog.n_ext + [scalar_for(v, dt, self.backend)
-                                           for v, dt in prog.scalars]
+                                           for v, dt in zip(values, prog.scalars)]
         self.regs += [None] * len(prog.temps)
+        if kind != "cpu":
+            self.export_bytes = [self.instr.size * prog.temps[t].itemsize for t in prog.exports]
 
     def run(self, vals: list[Any], mem: Memory) -> None:
         if self.runner is not None:
             vals[self.out] = self._numpy(vals, mem)
             return
         args = [vals[i] for i in self.ins]
+        prog = self.prog
+        assert prog is not None
         if self.cuda_kernel is not None:  # one kernel writes the root and every export
             be = self.backend
-            outs = [be.lib.empty(self.instr.shape, dtype=be.dtype(dt)) for dt in self.out_dtypes]
+            outs = [be.lib.empty(self.instr.shape, dtype=be.dtype(prog.temps[t]))
+                    for t in prog.outs]
             self.cuda_kernel(*args, *outs)
         else:  # any other Array API library: the members' own kernels, one by one
             regs = self.regs.copy()
             regs[:len(args)] = args
-            outs = run_generic(self.prog, self.backend, regs)  # type: ignore[arg-type]
+            outs = run_generic(prog, self.backend, regs)
         for v, arr, nbytes in zip([self.out, *self.exports], outs,
                                   [self.nbytes, *self.export_bytes]):
             vals[v] = arr
@@ -273,7 +280,7 @@ class Fused(Step):
         base = runner.base
         for t, k in prog.donor_of.items():
             regs[base + t] = vals[self.ins[k]]
-        dts = self.np_dtypes
+        dts = runner.np_dtypes
         for t in runner.full_new:
             regs[base + t] = mem.alloc(self.instr.shape, dts[t],
                                        self.instr.size * dts[t].itemsize)
@@ -282,7 +289,7 @@ class Fused(Step):
         for t in runner.scratch:
             regs[base + t] = mem.alloc(part, dts[t], size * dts[t].itemsize)
         out = runner.run(regs)
-        for v, t in prog.exports:
+        for v, t in zip(self.exports, prog.exports):
             vals[v] = regs[base + t]
         for t, pool in zip(runner.scratch, self.scratch_pool):
             arr = regs[base + t]
@@ -660,13 +667,14 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...],
         return (writable[r] and not pinned[r] and store_last[r] == at and whole[u]
                 and sum(storage[x] == r for x in s.ins) == 1)
 
+    compiled: dict[Any, Any] = {}  # equal fused groups share a program (fused.Group)
     for i, s in enumerate(steps):
         if isinstance(s, Fused):
             donors: set[int] = set()
             if s.backend.kind == "cpu":
                 donors = {u for u in s.ins if ir[u].shape == s.instr.shape
                           and may_write(u, i, s)}
-            s.compile(ir, donors)
+            s.compile(ir, donors, compiled)
         elif (isinstance(s, Start) and len(s.members) == 1 and s.instr.op.inplace_ok
               and s.ins):
             s.donate = may_write(s.ins[0], s.pair, s)  # its input lives until the wait
@@ -706,7 +714,7 @@ def _plan_memory(ir: list[Instr], steps: list[Step], outs: tuple[int, ...],
             prog = s.prog
             part = math.prod(s.runner.scratch_shape)
             s.scratch_pool = [keep((part, prog.temps[t]), s) for t in s.runner.scratch]
-            for t in [prog.root_temp, *(t for _, t in prog.exports)]:
+            for t in prog.outs:
                 if t in prog.donor_of:  # the root or an export takes over a donor's buffer
                     take_over(s, s.ins[prog.donor_of[t]], True)
         for u in set(s.ins):

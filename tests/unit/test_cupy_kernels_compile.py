@@ -80,9 +80,10 @@ def cuda_kernels(targets: list[fs.Tensor]) -> list[Kernel]:
                                             for a in i.attrs), i.shape, i.dtype, CUDA, i.value)
              for i in ir]
     plan = graph.make_plan(moved, outs, slots)
-    return [Kernel(s.cuda_kernel, tuple(moved[u].dtype for u in s.ins), tuple(s.out_dtypes),
-                   tuple((ins.op.name, moved[ins.ins[-1]].dtype.kind)
-                         for ins, _, _ in s.prog.code))
+    return [Kernel(s.cuda_kernel, tuple(moved[u].dtype for u in s.ins),
+                   tuple(s.prog.temps[t] for t in s.prog.outs),
+                   tuple((m.op.name, s.prog.dtype_of(args[-1]).kind)
+                         for m, args, _ in s.prog.code))
             for s in plan.steps if s.kind == "fused_cupy"]
 
 

@@ -85,6 +85,26 @@ def test_an_elementwise_chain_is_one_fused_step(device: str) -> None:
     np.testing.assert_allclose(y.numpy(), np.exp(np.tanh(a * 3 + 1) * 0.5 - a), rtol=1e-13)
 
 
+
+@pytest.mark.parametrize("device", ["cpu:0", "strict:0"])
+def test_equal_fused_groups_share_a_program_and_keep_their_own_scalars(device: str) -> None:
+    """Two chains alike but for their constants are one program with two sets of scalars;
+    another op or another shape is another program. Each computes its own numbers."""
+    a = np.linspace(-1, 1, 12).reshape(3, 4)
+    x = fs.tensor(a, device=device)
+    outs = [(x * 3 + 1).tanh(), (x * -2 + -0.5).tanh(), (x * 4 + 2).exp(),
+            (x[:2] * 3 + 1).tanh()]
+    plan = _plan(*outs)
+    fused = [s for s in plan.steps if s.prog is not None]
+    assert len(fused) == 4 and fused[0].prog is fused[1].prog
+    assert len({id(s.prog) for s in fused}) == 3
+    want = [np.tanh(a * 3 + 1), np.tanh(a * -2 - 0.5), np.exp(a * 4 + 2),
+            np.tanh(a[:2] * 3 + 1)]
+    fs.realize(*outs)
+    for got, w in zip(outs, want):
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-13)
+
+
 def test_fused_step_writes_into_a_dying_input_buffer() -> None:
     n = 1 << 16
     x = fs.tensor(np.ones((n,)))
@@ -266,7 +286,7 @@ def test_effectful_ops_are_never_merged_or_folded() -> None:
 
 
 def test_cupy_kernel_source_for_a_fused_group() -> None:
-    from fuelspmd.graph.fused import build_program, cupy_source
+    from fuelspmd.graph.fused import build_program, cupy_source, encode
 
     x = fs.tensor(np.ones((4, 3), np.float32))
     y = fs.tensor(np.ones(3, np.float32))
@@ -275,8 +295,8 @@ def test_cupy_kernel_source_for_a_fused_group() -> None:
     ir, _, _ = graph.optimise(sigs, outs)
     members = [i for i, ins in enumerate(ir) if ins.op.kind == "elementwise"]
     ext = [i for i, ins in enumerate(ir) if ins.op.kind == "leaf"]
-    prog = build_program(ir, members, ext, set())
-    src = cupy_source(prog, ir)
+    group, consts = encode(ir, members, ext, set())
+    src = cupy_source(build_program(group), [ir[u].attrs[0] for u in consts])
     assert src.in_params == "float32 x0, float32 x1"  # numpy dtype names: cupy reads those
     assert src.out_params == "float32 out"
     body = src.body
@@ -303,14 +323,15 @@ def test_cupy_literals_are_typed(value: float, dt: str, want: str) -> None:
 
 
 def test_cupy_kernel_source_in_half_and_integer_dtypes() -> None:
-    from fuelspmd.graph.fused import build_program, cupy_source
+    from fuelspmd.graph.fused import build_program, cupy_source, encode
 
     def source(out: fs.Tensor) -> Any:
         sigs, _, outs = graph.lower([out.node])
         ir, _, _ = graph.optimise(sigs, outs)
         members = [i for i, ins in enumerate(ir) if ins.op.kind == "elementwise"]
         ext = [i for i, ins in enumerate(ir) if ins.op.kind == "leaf"]
-        return cupy_source(build_program(ir, members, ext, set()), ir)
+        group, consts = encode(ir, members, ext, set())
+        return cupy_source(build_program(group), [ir[u].attrs[0] for u in consts])
 
     x = fs.tensor(np.ones(3, np.float32))
     half = source((x.astype("bfloat16") * 2.0).astype("float32"))

@@ -89,6 +89,7 @@ PIPE_MIN = 4 << 20
 _CHUNK = 1 << 18  # a pipelined chunk, and the fold's: its partial result stays in cache
 _FLAG_WORDS = 16  # a rank's flag line: two cache lines (the table above)
 _SPIN_S = 2e-3  # a sync spins this long before it yields the core (every rank on a core)
+_NEAR = 64  # polls of a sync before its deadline and watch are set up (microseconds)
 _SLOW_WAIT_S, _SLOW_CALLS = 1e-3, 16  # handshakes waited this long: whole-size for a while
 _OPS = list(ReduceOp)
 _NO_CHECK = (0,) * CHECK_WORDS
@@ -145,31 +146,40 @@ class Window:
         self.win.Free()
 
 
+def fold_piece(srcs: list[np.ndarray], ufunc: Any, avg: bool, out: np.ndarray,
+               tmp: np.ndarray | None) -> np.ndarray:
+    """Fold ``srcs[0] op srcs[1] op ...`` (equal pieces, in rank order) into ``out`` and
+    return the array that holds the result. ``out`` may be one of ``srcs``: with two the
+    fold writes it elementwise (each element is read before it is written); with more,
+    ``tmp`` (``out``'s size) takes the partial result, or a later step would read an
+    overwritten input, and is copied into ``out`` at the end."""
+    t = out if tmp is None else tmp
+    ufunc(srcs[0], srcs[1], out=t)
+    for s in srcs[2:]:
+        ufunc(t, s, out=t)
+    if avg:
+        divide(t, len(srcs))
+    if tmp is not None:
+        out[...] = t
+    return t
+
+
 def fold(srcs: list[np.ndarray], lo: int, hi: int, op: ReduceOp, dests: list[np.ndarray],
          also: np.ndarray) -> None:
     """Fold ``srcs[0][i] op srcs[1][i] op ...`` in rank order for ``i`` in ``[lo, hi)`` into
-    ``also`` (the caller's slice ``[lo, hi)``) and every array of ``dests`` (indexed from 0).
-    ``also`` may be this rank's own input: with two ranks the fold writes it elementwise
-    (a chunk is read before it is written); with more a scratch buffer takes the partial
-    result, or a later step would read an overwritten input."""
+    ``also`` (the caller's slice ``[lo, hi)``, which may be this rank's own input) and every
+    array of ``dests`` (indexed from 0), a cache-sized piece at a time (:func:`fold_piece`)."""
     if hi <= lo:
         return
-    ufunc, n = UFUNCS[op], len(srcs)
+    ufunc, avg, n = UFUNCS[op], op is ReduceOp.AVG, len(srcs)
     step = max(1, _CHUNK // also.itemsize)
     tmp = np.empty(min(step, hi - lo), also.dtype) if n > 2 else None
-    for a in range(0, hi - lo, step):
-        b = min(hi - lo, a + step)
-        o = also[a:b]
-        t = o if tmp is None else tmp[:b - a]
-        ufunc(srcs[0][lo + a:lo + b], srcs[1][lo + a:lo + b], out=t)
-        for k in range(2, n):
-            ufunc(t, srcs[k][lo + a:lo + b], out=t)
-        if op is ReduceOp.AVG:
-            divide(t, n)
-        if tmp is not None:
-            o[...] = t
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        t = fold_piece([x[a:b] for x in srcs], ufunc, avg, also[a - lo:b - lo],
+                       None if tmp is None else tmp[:b - a])
         for d in dests:
-            d[a:b] = t
+            d[a - lo:b - lo] = t
 
 
 def _mismatch(heads: list[list[int]], rank: int, seq: int) -> NoReturn:
@@ -212,6 +222,7 @@ class ShmAllReduce:
         self.pipelined = bool(agreed[0])
         self._pipe_bytes = 2 * _CHUNK + 2 * _part(_CHUNK, self.size)  # two slots, two results
         self._spin_s = _SPIN_S if self.pipelined else 0.0
+        self._near = _NEAR if self.pipelined else 0  # sharing cores: yield at once
         self.cap_bytes, self.cap_note = min(int(cap_bytes), int(agreed[1]) // (4 * self.size)), ""
         if self.cap_bytes < int(cap_bytes):
             self.cap_note = (f"{SHM_DIR} has {int(agreed[1]) >> 20} MiB free for "
@@ -295,11 +306,17 @@ class ShmAllReduce:
         """Set this rank's flag ``slot`` to ``k``; spin until every rank's is >= ``k``, within
         the deadline, calling ``check.watch``. ``Win.Sync`` (a memory barrier, whichever
         window it names) puts this rank's data stores before its flag, and the peers' flags
-        before their data."""
+        before their data. With a core each, the first ``_NEAR`` polls run before the wait
+        is set up: ranks that work alike arrive close together, and a sync's latency is paid
+        by every call (twice per chunk on the pipelined path)."""
         flags, fence = self._flags, self._flag.win.Sync
         fence()
         flags[self.rank][slot] = k
         fence()
+        for _ in range(self._near):
+            if all(f[slot] >= k for f in flags):
+                fence()
+                return
 
         def late(limit: float) -> str:
             missing = [j for j, f in enumerate(flags) if f[slot] < k]
@@ -405,6 +422,8 @@ class ShmAllReduce:
         slots = [[s[i * _CHUNK:(i + 1) * _CHUNK].view(dt) for s in segs] for i in (0, 1)]
         results = [[s[2 * _CHUNK + i * part:2 * _CHUNK + (i + 1) * part].view(dt)
                     for s in segs] for i in (0, 1)]
+        ufunc, avg = UFUNCS[op], op is ReduceOp.AVG
+        tmp = np.empty(-(-step // n) + 1, dt) if n > 2 else None  # fold_piece's scratch
         for c0 in range(0, count, step):
             chunk = flat[c0:c0 + step]
             b = slices(chunk.size, n)
@@ -415,8 +434,10 @@ class ShmAllReduce:
             slot[r][:lo] = chunk[:lo]
             slot[r][hi:chunk.size] = chunk[hi:]
             self._raise_and_wait(1, k, seq)
-            fold([chunk if j == r else slot[j] for j in range(n)], lo, hi, op, [out[r]],
-                 chunk[lo:hi])
+            mine = chunk[lo:hi]  # a chunk is cache-sized: folded as one piece
+            out[r][:hi - lo] = fold_piece([mine if j == r else slot[j][lo:hi]
+                                           for j in range(n)], ufunc, avg, mine,
+                                          None if tmp is None else tmp[:hi - lo])
             self._raise_and_wait(2, k, seq)
             for j in range(n):
                 if j != r:

@@ -231,7 +231,9 @@ class Fused(Step):
     def compile(self, ir: list[Instr], donors: set[int], compiled: dict[Any, Any]) -> None:
         """Take the program (donors only matter on numpy) and its runner from ``compiled``
         (the plan's, by group), or build them there."""
-        group, consts = encode(ir, self.members, list(self.ins), donors, set(self.exports))
+        exports = set(self.exports)
+        self.exports = [m for m in self.members if m in exports]  # the program's order
+        group, consts = encode(ir, self.members, list(self.ins), donors, exports)
         kind = self.backend.kind
         # a cupy kernel inlines its scalars (their Fill attributes tell -0.0 from 0.0)
         key = (kind, group, tuple(ir[u].attrs for u in consts) if kind == "cuda" else None)

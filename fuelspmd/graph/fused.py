@@ -124,6 +124,7 @@ class Program:
         self.code: list[tuple[Member, tuple[int, ...], int]] = []  # (member, arg regs, dest)
         self.root_temp = -1
         self.exports: list[int] = []  # the temp of each exported member, in member order
+        self.outs: list[int] = []  # the temps a step hands out: the root's, then the exports'
         self.shape: Shape = group.shape
 
     def reg_of_temp(self, t: int) -> int:
@@ -135,11 +136,6 @@ class Program:
             return self.ext[reg][1]
         j = reg - self.n_ext
         return self.scalars[j] if j < len(self.scalars) else self.temps[j - len(self.scalars)]
-
-    @property
-    def outs(self) -> list[int]:
-        """The temps the step hands out: the root's, then each export's."""
-        return [self.root_temp, *self.exports]
 
     @property
     def new_temps(self) -> list[int]:
@@ -195,6 +191,7 @@ def build_program(group: Group) -> Program:
         prog.code.append((Member(op, attrs, dt), regs, base + dest))
     prog.root_temp = temp_of[-len(group.rows)]
     prog.exports = [temp_of[-1 - p] for p in group.exports]
+    prog.outs = [prog.root_temp, *prog.exports]
     return prog
 
 

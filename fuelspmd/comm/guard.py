@@ -145,11 +145,12 @@ class Guard:
         self._desc_n = [0] * n  # send fingerprints received from each peer
         self._outbox: list[Work] = []
         self._notes: list[np.ndarray | None] = [None] * n  # each peer's last wait note
-        self._read_at = 0.0  # when begin() next reads the notes (time.monotonic)
-        # what this rank is in: (template, seq, cseq, k, recorder ticket or -1, fingerprint
-        # to record on a failure when not recorded yet)
-        self._cur: tuple[np.ndarray, int, int, int, int, Fingerprint | None] | None = None
-        self._announced = self._said_bye = False
+        # the operation this rank is in, set by the caller as it enters one (its notes
+        # name it; a failure marks its record, or records its fingerprint first): (template,
+        # seq, cseq, k, recorder ticket or -1, fingerprint to record when not recorded yet)
+        self.cur: tuple[np.ndarray, int, int, int, int, Fingerprint | None] | None = None
+        self._announced: tuple[Any, ...] | None = None  # the ``cur`` a note announced
+        self._said_bye = False
         self.dumped = False  # whether dump() wrote this rank's recorder out
         self.failed: str | None = None
         self._failed_kind: type[Exception] = CollectiveMismatchError
@@ -164,16 +165,6 @@ class Guard:
     def raise_if_failed(self) -> None:
         if self.failed is not None:
             raise self._failed_kind(f"the guard already failed: {self.failed}")
-
-    def begin(self, template: np.ndarray, seq: int, cseq: int, k: int = 0,
-              rec: int = -1, fp: Fingerprint | None = None) -> None:
-        """Mark the operation this rank is now in (its notes name it; a failure marks its
-        record ``rec``, or records ``fp`` first) and, once per ``WATCH_S``, read the notes
-        that have come: an abort raises here (or in the next wait longer than a slice; a
-        rank that failed joins no further operation, so one comes)."""
-        self._cur, self._announced = (template, seq, cseq, k, rec, fp), False
-        if self._probe is not None and time.monotonic() > self._read_at:
-            self._read_notes()
 
     def meet(self, check: Check) -> None:
         """Compare ``check``'s words with every rank's on the control channel (one
@@ -233,7 +224,7 @@ class Guard:
 
     def settle(self, rec: int = -1) -> None:
         """The operation this rank waited in completed (``rec``: its recorder ticket)."""
-        self._cur = None
+        self.cur = None
         if rec >= 0 and self.recorder is not None:
             self.recorder.mark(rec, "completed")
 
@@ -258,8 +249,8 @@ class Guard:
         notes; raise when they show the ranks out of step (see the module docstring)."""
         if self._probe is None or self.failed is not None:
             return
-        if self._cur is not None and not self._announced:
-            self._announced = True
+        if self.cur is not None and self._announced is not self.cur:
+            self._announced = self.cur
             self._tell(_WAIT, 0, self._encoded())
         self._read_notes()
         for q, note in enumerate(self._notes):  # a bye stands for every later operation
@@ -279,7 +270,6 @@ class Guard:
 
     def _read_notes(self) -> None:
         assert self._probe is not None and self.control is not None
-        self._read_at = time.monotonic() + WATCH_S
         while (q := self._probe(None, TAG_NOTE)) is not None:
             note = np.empty(_NOTE, np.int64)
             self.control.recv(note, q, TAG_NOTE).wait(self.timeout)
@@ -289,8 +279,8 @@ class Guard:
             self._square(q, note)
 
     def _encoded(self) -> np.ndarray:
-        assert self._cur is not None
-        template, seq, cseq = self._cur[:3]
+        assert self.cur is not None
+        template, seq, cseq = self.cur[:3]
         a = template.copy()
         a[CSEQ], a[SEQ] = cseq, seq
         return a
@@ -298,10 +288,10 @@ class Guard:
     def _square(self, q: int, note: np.ndarray) -> None:
         """Raise if ``q``'s note (what it waits in, or its bye: its final counts) cannot be
         squared with what this rank is in."""
-        if self._cur is None:
+        if self.cur is None:
             return
         theirs, bye, r = note[4:4 + FP_LEN], note[0] == _BYE, self.rank
-        mine, k = self._encoded(), self._cur[3]
+        mine, k = self._encoded(), self.cur[3]
         my_peer, q_peer = peer(mine), peer(theirs)
         gap = int(theirs[CSEQ]) - int(mine[CSEQ])
         if not bye and (gap < 0 or (gap > 0 and my_peer < 0)):
@@ -388,7 +378,7 @@ class Guard:
 
     def late(self, what: str, limit: float) -> None:
         """Raise the CommTimeoutError of a wait past ``limit`` s, naming the absent ranks."""
-        mine = self._encoded() if self._cur is not None else None
+        mine = self._encoded() if self.cur is not None else None
         p2p = mine is not None and peer(mine) >= 0
         here = [q for q, note in enumerate(self._notes) if note is not None and mine is not None
                 and note[0] == _WAIT and int(note[4 + CSEQ]) == int(mine[CSEQ])
@@ -424,8 +414,8 @@ class Guard:
         recorder, and raise."""
         if self.failed is None:
             self.failed, self._failed_kind = text, kind
-            if self._cur is not None and self.recorder is not None:
-                _, seq, cseq, _, rec, fp = self._cur
+            if self.cur is not None and self.recorder is not None:
+                _, seq, cseq, _, rec, fp = self.cur
                 rec = self.recorder.push(fp, seq, cseq) if rec < 0 and fp is not None else rec
                 self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
                                          CommTimeoutError: "timeout"}.get(kind, "failed"), text)

@@ -523,7 +523,7 @@ def test_a_recv_of_a_message_already_sent_is_not_a_mismatch(world: Any) -> None:
             guard = g.guard
             fp = Fingerprint(0, "recv", (4,), "float32", None, None, g.group, 1, 0, 5, 0)
             k = guard.recvd_from(1)  # this rank's recv #1 from rank 1
-            guard.begin(fp.encode(), 0, 0, k)
+            guard.cur = (fp.encode(), 0, 0, k, -1, None)
             note = np.zeros(_NOTE, np.int64)
             theirs = Fingerprint(1, "recv", (4,), "float32", None, None, g.group, 0, 1, 6, 0)
             note[:4] = (_WAIT, 0, 1, 1)  # rank 1 sent 1 to rank 0 and waits in recv #1

@@ -154,7 +154,7 @@ class MPITransport:
         self._planner: Any = None
         self._cap = DEFAULT_SHM_CAP
         self._records = _records(self.size)  # _meet's buffers and views, reused
-        self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_kind)
+        self._inline: _Inline | None = None  # the last inline all_reduce's kind (_inline_for)
         # _meet's all_gather of the records, set up once where MPI has persistent
         # collectives (4.0): a Start reuses its schedule where an Iallgather builds one
         self._meeting: Any = None
@@ -215,13 +215,27 @@ class MPITransport:
         (every rank reduces the same rows in rank order: the same bits), all_gather or
         broadcast rides whole in the payload; for those and a barrier the meeting is the
         collective."""
-        if op == "all_reduce":
+        if op == "all_reduce":  # the guard's hot path: one frame to the meeting
             buf, rop = args
             k = self._inline
-            if (k is not None and buf.__class__ is _ndarray and buf.dtype is k.dtype
-                    and rop is k.op and buf.shape == k.shape and buf.flags.c_contiguous):
-                return self._reduce_inline(check, k, buf)
-            return self._all_reduce(buf, rop, check)
+            # (strides need no look: the copy in and the reduce out take any layout)
+            if not (k is not None and buf.__class__ is _ndarray and buf.dtype is k.dtype
+                    and rop is k.op and buf.shape == k.shape):
+                k = self._inline_for(buf, rop)
+                if k is None:
+                    return self._all_reduce(buf, rop, check)
+            seq = self._seq
+            self._seq = seq + 1
+            k.slot[...] = buf
+            self._meet(check, seq, "all_reduce")
+            if (u := k.ufunc) is not None:  # row by row in rank order, as ufunc.reduce over
+                rows = k.rows                 # axis 0 adds them, with less overhead per call
+                u(rows[0], rows[1], out=buf)
+                for row in rows[2:]:
+                    u(buf, row, out=buf)
+            else:
+                local_reduce(k.parts, k.op, k.plan, buf)
+            return DONE
         if op == "all_gather":
             send, recv = args
             if (send.nbytes <= INLINE and _plain(send, self._move) and _plain(recv, self._move)
@@ -266,21 +280,17 @@ class MPITransport:
         self._seq = seq + 1
         if self.size == 1:
             return DONE
-        route = self._route
-        algo = (route.band(buf.nbytes).algorithm if buf.nbytes > route.smallest
-                and plan.stage is None else "mpi")
-        if algo == "shm" and self._shm is not None and buf.dtype in SHM_DTYPES:
-            if self._shm.all_reduce(buf, op, seq, check):
+        # (a size below every band but MPI's own skips the call)
+        algo = self._algorithm(buf, plan) if buf.nbytes > self._route.smallest else "mpi"
+        if algo == "shm":
+            if self._shm.all_reduce(buf, op, seq, check):  # type: ignore[union-attr]
                 return DONE
             check = None  # over the cap: compared in its header, MPI's own moves the data
         if check is not None:
-            if buf.nbytes <= INLINE and type(buf) is _ndarray:
-                self._seq = seq  # the inline meeting numbers it
-                return self._reduce_inline(check, self._inline_kind(buf, op, plan), buf)
             self._meet(check, seq, "all_reduce")
         if buf.size == 0:
             return DONE
-        if algo == "hierarchical" and self._hier is not None:
+        if algo == "hierarchical":
             self._hier.all_reduce(buf, plan, seq, None if check is None else check.watch)
             return DONE
         IN_PLACE = self._MPI.IN_PLACE
@@ -295,9 +305,26 @@ class MPITransport:
         return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
                        (stage, buf))
 
-    def _inline_kind(self, buf: np.ndarray, op: ReduceOp, plan: Any) -> _Inline:
-        """The views of the check record that carry all_reduces of ``buf``'s kind, kept for
-        the next call of that kind (a loop repeats one)."""
+    def _algorithm(self, buf: np.ndarray, plan: Any) -> str:
+        """The path the route gives ``buf``'s all_reduce: shm or hierarchical where set up
+        and able to reduce it (not through a float32 stage), else mpi."""
+        route = self._route
+        algo = (route.band(buf.nbytes).algorithm if buf.nbytes > route.smallest
+                and plan.stage is None else "mpi")
+        if algo == "shm" and (self._shm is None or buf.dtype not in SHM_DTYPES):
+            return "mpi"
+        return "mpi" if algo == "hierarchical" and self._hier is None else algo
+
+    def _inline_for(self, buf: Any, op: ReduceOp) -> _Inline | None:
+        """The kind of an all_reduce of ``buf`` that rides whole in its check's meeting (a
+        plain array of at most ``INLINE`` bytes the route does not send through shared
+        memory, whose header carries the check), kept for the next call of that kind (a loop
+        repeats one); None for any other."""
+        if not (_plain(buf, self._move) and buf.nbytes <= INLINE):
+            return None
+        plan = self._types.plan(buf.dtype, op, "all_reduce")  # DTypeError before the meeting
+        if self._algorithm(buf, plan) == "shm":
+            return None
         rec, n = self._records, buf.nbytes
         slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
         parts = rec[4][:, :n].view(buf.dtype).reshape((self.size, *buf.shape))
@@ -308,21 +335,6 @@ class MPITransport:
         if np.shares_memory(parts, rec[1]) and np.shares_memory(slot, rec[0]):
             self._inline = kind
         return kind
-
-    def _reduce_inline(self, check: Check, k: _Inline, buf: np.ndarray) -> Work:
-        """A small all_reduce whole in its check's meeting (see :meth:`checked`)."""
-        seq = self._seq
-        self._seq = seq + 1
-        k.slot[...] = buf
-        self._meet(check, seq, "all_reduce")
-        if (u := k.ufunc) is not None:  # row by row in rank order, as ufunc.reduce over
-            rows = k.rows                 # axis 0 adds them, with less overhead per call
-            u(rows[0], rows[1], out=buf)
-            for row in rows[2:]:
-                u(buf, row, out=buf)
-        else:
-            local_reduce(k.parts, k.op, k.plan, buf)
-        return DONE
 
     def _meet(self, check: Check, seq: int, op: str, payload: Any = None) -> np.ndarray:
         """All-gather the check records (``payload``: a plain array of at most ``INLINE``

@@ -319,8 +319,8 @@ class MPITransport:
         """The kind of an all_reduce of ``buf`` that rides whole in its check's meeting (a
         plain array of at most ``INLINE`` bytes the route does not send through shared
         memory, whose header carries the check), kept for the next call of that kind (a loop
-        repeats one); None for any other."""
-        if not (_plain(buf, self._move) and buf.nbytes <= INLINE):
+        repeats one); None for any other, and on one rank (nothing to meet or reduce)."""
+        if not (self.size > 1 and _plain(buf, self._move) and buf.nbytes <= INLINE):
             return None
         plan = self._types.plan(buf.dtype, op, "all_reduce")  # DTypeError before the meeting
         if self._algorithm(buf, plan) == "shm":

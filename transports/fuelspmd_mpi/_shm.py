@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -146,7 +147,7 @@ class Window:
         self.win.Free()
 
 
-def fold_piece(srcs: list[np.ndarray], ufunc: Any, avg: bool, out: np.ndarray,
+def fold_piece(srcs: Sequence[np.ndarray], ufunc: Any, avg: bool, out: np.ndarray,
                tmp: np.ndarray | None) -> np.ndarray:
     """Fold ``srcs[0] op srcs[1] op ...`` (equal pieces, in rank order) into ``out`` and
     return the array that holds the result. ``out`` may be one of ``srcs``: with two the

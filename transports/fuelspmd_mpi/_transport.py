@@ -36,7 +36,7 @@ from fuelspmd.transport import (
 )
 from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
-from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, size_class
+from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, fold_piece, size_class
 from fuelspmd_mpi._staging import cuda_aware, stage
 from fuelspmd_mpi._work import (
     UFUNCS,
@@ -228,11 +228,8 @@ class MPITransport:
             self._seq = seq + 1
             k.slot[...] = buf
             self._meet(check, seq, "all_reduce")
-            if (u := k.ufunc) is not None:  # row by row in rank order, as ufunc.reduce over
-                rows = k.rows                 # axis 0 adds them, with less overhead per call
-                u(rows[0], rows[1], out=buf)
-                for row in rows[2:]:
-                    u(buf, row, out=buf)
+            if k.ufunc is not None:  # the shm path's left fold in rank order: the same bits
+                fold_piece(k.rows, k.ufunc, False, buf, None)  # (buf is none of the rows)
             else:
                 local_reduce(k.parts, k.op, k.plan, buf)
             return DONE

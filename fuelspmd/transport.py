@@ -48,12 +48,6 @@ capability     methods and contract
                ``all_reduce_algorithm(nbytes, dtype=None) -> str`` and
                ``explain_all_reduce(nbytes, dtype=None) -> str``: how the transport
                chooses its all-reduce algorithm per size, and why.
-``runs``       ``begin_run(memo) -> None`` and ``end_run(memo, ok) -> None``: the
-               operations between them are one run of a plan (a graph's schedule, the
-               same operations every run); ``memo`` is a dict the caller keeps for that
-               plan, where the transport may remember what the plan's last run issued.
-               ``ok`` is False when the run raised. Runs do not nest: a ``begin_run``
-               while one is open is ignored, and so is its ``end_run``.
 ``finalize``   ``finalize() -> None``: release what the transport holds (collective).
 ``device``     ``device: Device``: the device whose buffers the transport takes (a
                transport bound to one GPU, as NCCL's is).
@@ -108,9 +102,9 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "fuelspmd.transports"
-CAPABILITIES = frozenset({"checked", "probe", "lend", "shared", "route", "runs", "finalize",
+CAPABILITIES = frozenset({"checked", "probe", "lend", "shared", "route", "finalize",
                           "device"})
-CHECK_WORDS = 4  # the int64 words of a Check
+CHECK_WORDS = 3  # the int64 words of a Check
 # How often a wait inside a transport call (or the guard's own) lets the caller look
 # around (``Check.watch``): the slice within which a disagreement between ranks waiting in
 # different places is found.

@@ -96,8 +96,6 @@ class Communicator:
         self._spare = Spares()  # staging copies, reused once unreferenced (ops.py)
         self._lend = transport.lend if "lend" in caps else None  # type: ignore[attr-defined]
         self._lent = transport.lent if "lend" in caps else None  # type: ignore[attr-defined]
-        # the transport's run hooks (its ``runs`` capability), called around a plan's run
-        self._runs = (transport.begin_run, transport.end_run) if "runs" in caps else None  # type: ignore[attr-defined]
         self._reduce_attrs: dict[Any, AllReduce] = {}  # op as given -> node attrs
         self._sum_attrs = self._reduce_attrs[_SUM] = AllReduce(self, 1, ReduceOp.SUM)
 
@@ -149,15 +147,6 @@ class Communicator:
         if self._tail is not None and self._tail.buffer is None:
             realize(Tensor(self._tail))
         self._built += k
-
-    def _begin_run(self, memo: dict[str, Any]) -> None:
-        """A plan with two or more of this communicator's transport calls starts a run."""
-        if self._runs is not None:
-            self._runs[0](memo)
-
-    def _end_run(self, memo: dict[str, Any], ok: bool) -> None:
-        if self._runs is not None:
-            self._runs[1](memo, ok)
 
     def _token(self, dt: DType) -> Tensor:
         return Tensor(const(0, (), dt, self.device))

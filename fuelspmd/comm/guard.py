@@ -15,10 +15,7 @@ guarantees, and how:
    ranks meet anyway (the ``checked`` capability), else in one fixed-size all_gather on a
    private split of the transport (the *control* channel, :meth:`Guard.meet`). Every rank
    reads the same rows, so every rank decides the same; when they disagree, every rank
-   raises :class:`~fuelspmd.errors.CollectiveMismatchError` (:meth:`Guard.explain`). A
-   plan run again is compared whole at its first collective: a fourth word, the digest
-   of the digests its last run issued, lets every rank issue the rest unmet, each call
-   checked against its recorded digest (``GuardedTransport``'s ``_Run``).
+   raises :class:`~fuelspmd.errors.CollectiveMismatchError` (:meth:`Guard.explain`).
 2. **A send meets its recv.** Each send's fingerprint follows it on the control channel
    (one ordered stream per pair, tag :data:`TAG_P2P`); a recv is released only once the
    sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).

@@ -32,7 +32,6 @@ from fuelspmd.transport import (
     Work,
     check_buffers,
     check_peer,
-    digest62,
 )
 
 __all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
@@ -46,44 +45,14 @@ _PASSED = frozenset({"lend", "route", "finalize"})
 
 class _Call:
     """One kind of operation (op, shape, dtype, reduce op, root, peers): its fingerprint
-    template, encoding and check words ``[digest, cseq, fence, 0]``, built once."""
+    template, encoding and check words ``[digest, cseq, fence]``, built once."""
 
     __slots__ = ("check", "encoded", "fp")
 
     def __init__(self, fp: Fingerprint, guard: Guard) -> None:
         self.fp, self.encoded = fp, fp.encode()
-        self.check = (Check([digest(self.encoded), 0, 0, 0], agrees, guard.watch,
+        self.check = (Check([digest(self.encoded), 0, 0], agrees, guard.watch,
                             guard.timeout) if guard.checks else None)
-
-
-class _Run:
-    """One run of a plan on a guarded transport (the ``runs`` capability), checked whole.
-
-    ``memo["ops"]`` holds the digests of the collectives the plan's last run issued here,
-    when every one met and agreed and none was a send or recv (``memo["p2p"]``: the plan
-    sends or receives here, so its runs meet call by call). The run's first collective
-    carries ``memo["word"]``, a digest of those digests, as its fourth check word (0 on a
-    rank without them, or whose first call is not the one recorded). When every rank's
-    words agree and carry the same run word (all read the same rows, so all decide alike),
-    every rank issues the recorded collectives next without meeting (``ahead``), each
-    checked here against its digest. A rank that would issue anything else, or stops short,
-    fails its guard instead (the job must end, as when a transport refuses a call every rank
-    agreed on): its peers' calls would meet nothing, and they hear of it within a slice.
-    """
-
-    __slots__ = ("ahead", "at", "check", "memo", "record", "word")
-
-    def __init__(self, memo: dict[str, Any], guard: Guard) -> None:
-        self.memo, self.at, self.word = memo, 0, 0
-        self.record: list[int] | None = None if "ops" in memo else []  # digests issued
-        self.ahead: tuple[int, ...] | None = None  # the agreed rest of the run
-        self.check: Check | None = Check([0, 0, 0, 0], self.agrees, guard.watch, guard.timeout)
-
-    def agrees(self, rows: list[list[int]]) -> bool:
-        """:func:`agrees`, noting the run word when every rank carries the same."""
-        w = rows[0][3]
-        self.word = w if all(r[3] == w for r in rows) else 0
-        return agrees(rows)
 
 
 class GuardedWork:
@@ -145,8 +114,7 @@ class GuardedTransport:
         self.name = f"guarded-{transport.name}"
         self.rank, self.size = transport.rank, transport.size
         self.tag_bound = transport.tag_bound
-        self.capabilities = frozenset(transport.capabilities & _PASSED) | (
-            {"runs"} if mode == "default" and transport.size > 1 else set())
+        self.capabilities = frozenset(transport.capabilities & _PASSED)
         self.group = group_id(range(transport.size)) if group is None else int(group)
         self.guard = Guard(transport, mode=mode, timeout=timeout, recorder=recorder,
                            group=self.group, world_rank=world_rank, trace_dir=trace_dir)
@@ -158,7 +126,6 @@ class GuardedTransport:
             and self.guard.checks else None)
         self._memo: tuple[Any, ...] = ((), None, None, None, None)
         self._debug = mode == "debug"
-        self._run: _Run | None = None  # the plan run open here (begin_run)
         self._bare = recorder is None and not self._debug  # a completed op leaves nothing
         self._inner_all_reduce = transport.all_reduce
         if self.guard.checks:  # the hook runs before MPI_Finalize, which registered earlier
@@ -195,31 +162,19 @@ class GuardedTransport:
         g = self.guard
         if g.failed is not None:
             g.raise_if_failed()
-        seq, cseq = self.seq, self.cseq
-        check = call.check
-        run = self._run
+        seq, cseq, check = self.seq, self.cseq, call.check
         if check is None:  # off mode, or one rank
             work = method(*args)
         else:  # recorded once issued (a caller's mistake raises before, and leaves none)
             g.cur = (call.encoded, seq, cseq, 0, -1, call.fp)
+            w = check.words
+            w[1], w[2] = cseq, g.fence
             try:
-                if run is not None and run.ahead is not None:  # agreed with the run's first
-                    self._follow(run, call, seq)
-                    work = self._issue(call, seq, method, args)
+                if self._checked is not None:  # a caller's mistake raises before it
+                    work = self._checked(check, name, *args)
                 else:
-                    if run is not None and run.check is not None:  # the run's first call
-                        d, ops, check = check.words[0], run.memo.get("ops"), run.check
-                        check.words[0] = d
-                        check.words[3] = run.memo["word"] if ops and ops[0] == d else 0
-                    w = check.words
-                    w[1], w[2] = cseq, g.fence
-                    if self._checked is not None:  # a caller's mistake raises before it
-                        work = self._checked(check, name, *args)
-                    else:
-                        g.meet(check)
-                        work = self._issue(call, seq, method, args)
-                    if run is not None:
-                        self._met(run, w[0])
+                    g.meet(check)
+                    work = self._issue(call, seq, method, args)
             except CommError as e:
                 g.fail_with(e)
                 raise
@@ -250,52 +205,6 @@ class GuardedTransport:
                                 CommError, raise_now=False)
             raise
 
-    def _met(self, run: _Run, d: int) -> None:
-        """The run's collective of digest ``d`` met and agreed."""
-        if run.check is not None:  # the first: every rank carried this run word, or not
-            run.check = None
-            if run.word:
-                run.ahead, run.at = run.memo["ops"], 1
-                return
-        if run.record is not None:
-            run.record.append(d)
-
-    def _follow(self, run: _Run, call: _Call, seq: int) -> None:
-        """Raise (failing the guard) unless ``call`` is the next one of the agreed run."""
-        ahead, at = run.ahead, run.at
-        assert ahead is not None and call.check is not None
-        if at < len(ahead) and ahead[at] == call.check.words[0]:
-            run.at = at + 1
-            return
-        self._stray(run, f"{call.fp.op} #{seq}, a call other than the run's #{at + 1} "
-                    f"(of {len(ahead)})")
-
-    def _stray(self, run: _Run, what: str, *, raise_now: bool = True) -> None:
-        assert run.ahead is not None
-        self._run = None
-        self.guard.fail(f"rank {self.rank} of group {self.group} left a plan run every rank "
-                        f"had agreed to issue whole ({len(run.ahead)} collectives, the "
-                        f"same as its last run): it issued {what}; its peers' calls would "
-                        f"meet nothing, so the job must end", CommError, raise_now=raise_now)
-
-    def begin_run(self, memo: dict[str, Any]) -> None:
-        """The ``runs`` capability: a plan's run starts (see :class:`_Run`)."""
-        if self._run is None and not memo.get("p2p"):
-            self._run = _Run(memo, self.guard)
-
-    def end_run(self, memo: dict[str, Any], ok: bool) -> None:
-        """The plan run of ``memo`` ended (``ok``: it finished): keep what it issued."""
-        run = self._run
-        if run is None or run.memo is not memo:
-            return
-        self._run = None
-        if run.ahead is not None and run.at < len(run.ahead):
-            self._stray(run, f"only {run.at} of them ({'finished' if ok else 'it raised'})",
-                        raise_now=ok)
-        if ok and run.record is not None and len(run.record) > 1:
-            memo["ops"] = ops = tuple(run.record)
-            memo["word"] = digest62(np.array(ops, np.int64).tobytes()) or 1
-
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""
         m = self._memo  # the kind of the last all_reduce: a repeated one skips the lookup
@@ -303,8 +212,8 @@ class GuardedTransport:
                 and buf.shape == m[0] and buf.flags.c_contiguous):
             rop, call = m[3], m[4]
             g = self.guard
-            if self._checked is not None and self._run is None and g.failed is None:
-                # _collective's steps on a checked transport outside a plan run, inline: the
+            if self._checked is not None and g.failed is None:
+                # _collective's steps on a checked transport, inline: the
                 # call a training step issues most reaches the transport's meeting one frame
                 # sooner (what the other ranks wait on; docs/reliability.md, the guard's cost)
                 seq, cseq, check = self.seq, self.cseq, call.check
@@ -375,12 +284,6 @@ class GuardedTransport:
         g.raise_if_failed()
         check_peer(op, peer, self.size)
         check_buffers(op, self.size, buf)
-        run = self._run
-        if run is not None:  # a run that sends or receives is checked call by call
-            if run.ahead is not None:
-                self._stray(run, f"a {op}")
-            run.record = None
-            run.memo["p2p"] = True
         work = (self.inner.send if op == "send" else self.inner.recv)(buf, peer, tag)
         call = self._call(op, buf, src=src, dst=dst)
         seq, cseq = self.seq, self.cseq

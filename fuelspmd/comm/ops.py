@@ -133,9 +133,7 @@ def _collective(name: str, rule: Callable[..., Rule], start: Callable[..., Pendi
     return register(Op(name, rule, _kernel(start), vjp, inplace_ok=(0,) if inplace else None,
                        effectful=True, serial=serial, start=start, bucket=bucket,
                        bucket_bytes=(lambda attrs: attrs.comm.bucket_bytes) if bucket else None,
-                       replay=lambda attrs, count: attrs.comm._replaying(count),
-                       begin_run=lambda attrs, memo: attrs.comm._begin_run(memo),
-                       end_run=lambda attrs, memo, ok: attrs.comm._end_run(memo, ok)))
+                       replay=lambda attrs, count: attrs.comm._replaying(count)))
 
 
 # ---- staging ------------------------------------------------------------------------------

@@ -269,8 +269,7 @@ class Executor:
 
     def execute(self, plan: Plan, vals: list[Any], mem: Memory | None = None) -> None:
         """Run ``plan``'s steps over ``vals`` (its leaves' buffers in their slots), with the
-        buffers of ``mem`` (a pool kept across runs of this plan) or of this run alone,
-        between the run hooks of its streams (``plan.runs``)."""
+        buffers of ``mem`` (a pool kept across runs of this plan) or of this run alone."""
         for slot, arr, _ in plan.presets:
             vals[slot] = arr
         if mem is None:
@@ -278,19 +277,7 @@ class Executor:
             mem.live = mem.peak = plan.owned_bytes
         else:
             mem.start(plan.owned_bytes)
-        runs = plan.runs
-        if runs:
-            for op, attrs, memo in runs:
-                op.begin_run(attrs, memo)
-            ok = False
-            try:
-                _steps(plan, vals, mem)
-                ok = True
-            finally:
-                for op, attrs, memo in runs:
-                    op.end_run(attrs, memo, ok)
-        else:
-            _steps(plan, vals, mem)
+        _steps(plan, vals, mem)
         self.peak_bytes = mem.peak
         self.allocations = mem.allocations
         self.runs += 1

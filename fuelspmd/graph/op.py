@@ -26,10 +26,6 @@ all) issued as one call of at most ``bucket_bytes(attrs)`` bytes, whose ``finish
 the list of results. ``replay(attrs, count)`` is called before a compiled step's replay
 (``fs.compile``) issues ``count`` of them on that stream without building their nodes, so
 the stream can issue what it built before (creation order) and count them.
-``begin_run(attrs, memo)`` and ``end_run(attrs, memo, ok)`` are called around every run of
-a plan with two or more such calls on the op's stream (``memo``: a dict the plan keeps for
-that stream, across its runs; ``ok``: whether the run finished), so the stream may check a
-run's operations together.
 """
 
 from __future__ import annotations
@@ -76,8 +72,6 @@ class Op:
     bucket: Callable[..., Any] | None = None
     bucket_bytes: Callable[[Attrs], int] | None = None
     replay: Callable[[Attrs, int], None] | None = None
-    begin_run: Callable[[Attrs, dict[str, Any]], None] | None = None
-    end_run: Callable[[Attrs, dict[str, Any], bool], None] | None = None
 
     @property
     def fusable(self) -> bool:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -380,9 +380,6 @@ class Plan:
     out_storage: tuple[int, ...]  # per output, the value slot of the buffer it is (a view) of
     out_owned: tuple[bool, ...]  # per output, whether that buffer is one the plan allocated
     binding: Any = None  # how it finds its nodes in a graph (executor.Binding)
-    # per stream with two or more transport calls: its op, attributes and the memo its
-    # begin_run and end_run keep (the run hooks of graph.op)
-    runs: list[tuple[Any, Any, dict[str, Any]]] = field(default_factory=list)
 
     def copy_preset(self, slot: int) -> Any | None:
         """A copy of the folded constant in ``slot`` (None if ``slot`` holds none)."""
@@ -491,18 +488,7 @@ def make_plan(ir: list[Instr], outs: tuple[int, ...], leaf_slots: tuple[int, ...
     return Plan(n, leaf_slots, presets, steps, outs, [i.size * i.dtype.itemsize for i in ir],
                 n_fused, ir, dict(allocs), owned_leaves,
                 sum(ir[v].size * ir[v].dtype.itemsize for v in owned_leaves),
-                tuple(storage[o] for o in outs), tuple(owned[storage[o]] for o in outs),
-                runs=_runs(steps))
-
-
-def _runs(steps: list[Step]) -> list[tuple[Any, Any, dict[str, Any]]]:
-    """The streams with two or more starts in ``steps`` whose op has run hooks, in the
-    order of their first start."""
-    starts: dict[int, list[Start]] = {}
-    for s in steps:
-        if isinstance(s, Start) and s.instr.op.begin_run is not None:
-            starts.setdefault(id(s.instr.attrs.comm), []).append(s)
-    return [(ss[0].instr.op, ss[0].instr.attrs, {}) for ss in starts.values() if len(ss) > 1]
+                tuple(storage[o] for o in outs), tuple(owned[storage[o]] for o in outs))
 
 
 def donating(plan: Plan, slots: list[int]) -> Plan:

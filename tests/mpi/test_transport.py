@@ -331,7 +331,7 @@ def test_a_check_meeting_that_timed_out_refuses_the_next(world: Transport) -> No
     last = sub.size - 1
 
     def meet(timeout: float) -> None:
-        sub.checked(Check([7, 0, 0, 0], lambda rows: all(r == rows[0] for r in rows),
+        sub.checked(Check([7, 0, 0], lambda rows: all(r == rows[0] for r in rows),
                           timeout=timeout), "barrier")
 
     try:
@@ -399,7 +399,7 @@ def test_a_checked_gpu_all_reduce_meets_before_its_host_copy_moves(
     t.cuda_aware = (False, "stand-in GPU buffers are staged")
 
     def checked(buf: _Device) -> None:
-        words = [buf.size, 0, 0, 0]
+        words = [buf.size, 0, 0]
         t.checked(Check(words, lambda rows: all(r == rows[0] for r in rows), timeout=TIMEOUT),
                   "all_reduce", buf, ReduceOp.SUM).wait(TIMEOUT)
 
@@ -425,7 +425,7 @@ def test_a_checked_avg_of_a_scalar_is_divided(world: Transport) -> None:
 
     for _ in range(2):
         buf = np.array(float(world.rank), np.float32)
-        world.checked(Check([1, 2, 3, 0], agrees, timeout=TIMEOUT),  # type: ignore[attr-defined]
+        world.checked(Check([1, 2, 3], agrees, timeout=TIMEOUT),  # type: ignore[attr-defined]
                       "all_reduce", buf, ReduceOp.AVG).wait(TIMEOUT)
         assert buf.shape == () and buf == np.float32(sum(range(world.size)) / world.size)
 
@@ -451,7 +451,7 @@ def test_a_checked_small_all_reduce_is_the_fold_in_rank_order(
             if op == "avg":
                 acc = acc // world.size if acc.dtype.kind == "i" else acc / world.size
             buf = xs[world.rank].copy()
-            world.checked(Check([4, 5, 6, 0], lambda rows: all(r == rows[0] for r in rows),
+            world.checked(Check([4, 5, 6], lambda rows: all(r == rows[0] for r in rows),
                                 timeout=TIMEOUT),  # type: ignore[attr-defined]
                           "all_reduce", buf, ReduceOp.parse(op)).wait(TIMEOUT)
             assert buf.shape == shape

@@ -33,18 +33,18 @@ word  meaning
 1, 2  the pipelined path's two handshakes: the chunk number
 3-6   element count, dtype (``dtype.num``), op (index in ``ReduceOp``), call number (shm
       all-reduces of this group so far): must be equal on every rank
-7-10  the caller's check words (``Check``: the ``checked`` capability)
-11    the lent area of the class that holds the input: its index plus one; 0 for none
-12    1: this rank found no free lent area of the class and asks for one more
-13    1: this rank lost its core lately (``_SLOW_CALLS``): keep off the pipelined path
+7-9   the caller's check words (``Check``: the ``checked`` capability)
+10    the lent area of the class that holds the input: its index plus one; 0 for none
+11    1: this rank found no free lent area of the class and asks for one more
+12    1: this rank lost its core lately (``_SLOW_CALLS``): keep off the pipelined path
 ====  ===================================================================================
 
 Every rank decides alike. After the first sync all ranks read the same lines. Where words
 3-6 differ, every rank raises CollectiveMismatchError before any data area is read (none
 reads past a peer's segment); otherwise each choice is a pure function of those lines: the
-path (placed when every word 11 is set; pipelined when the size allows and no word 13 is
+path (placed when every word 10 is set; pipelined when the size allows and no word 12 is
 set; else copy-in), whether the copy-in window is made first, whether a lent window is
-added (any word 12; up to ``LENT_MAX``). Making and freeing a window is collective and
+added (any word 11; up to ``LENT_MAX``). Making and freeing a window is collective and
 happens only there, where every rank is in the same call of the same size. Which windows
 exist, and so whether one more fits under the cap, follows from the sequence of collective
 sizes, the same on every rank; the cap and whether to pipeline are agreed at creation.
@@ -356,26 +356,26 @@ class ShmAllReduce:
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
         words = _NO_CHECK if check is None else check.words
-        self._flags[r][3:14] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
+        self._flags[r][3:13] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
                                 want, slow)
         self._sync(seq, check)
-        heads = [f[3:14].tolist() for f in self._flags]  # each line read once, as ints
-        if check is not None and not check.agrees([h[4:8] for h in heads]):
-            raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:8] for h in heads])
+        heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
+        if check is not None and not check.agrees([h[4:7] for h in heads]):
+            raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:7] for h in heads])
         if any(h[:4] != heads[r][:4] for h in heads):
             _mismatch(heads, r, seq)
-        if all(h[8] for h in heads):  # every input in a lent area (not always the same)
+        if all(h[7] for h in heads):  # every input in a lent area (not always the same)
             ws = self._lent[cls]
-            segs = [ws[h[8] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
+            segs = [ws[h[7] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
             fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
                  segs[r][lo:hi])
             self._sync(seq)
-        elif pipe and not any(h[10] for h in heads) and self._pipe() is not None:
+        elif pipe and not any(h[9] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
             # every rank copied in before the sync when the window existed and no rank's
             # input was placed or meant for the pipelined path; else the others copy now
-            ready = w is not None and not any(h[8] or (pipe and not h[10]) for h in heads)
+            ready = w is not None and not any(h[7] or (pipe and not h[9]) for h in heads)
             if w is None:
                 if self.allocated_bytes + cls > self.cap_bytes:
                     return False  # beyond the cap: every rank decides the same
@@ -395,7 +395,7 @@ class ShmAllReduce:
             for k in range(n):
                 if k != r:
                     flat[bounds[k]:bounds[k + 1]] = res[k]
-        if any(h[9] for h in heads):
+        if any(h[8] for h in heads):
             self._grow(cls)
         return True
 

@@ -341,7 +341,7 @@ class MPITransport:
                             f"{self._met_failed}; the job must end")
         rec = self._records
         mine, rows = rec[0], rec[1]
-        mine[0], mine[1], mine[2], mine[3] = check.words  # CHECK_WORDS of them
+        mine[0], mine[1], mine[2] = check.words  # CHECK_WORDS of them
         if payload is not None:  # as bytes: numpy names bfloat16, the buffer protocol not
             rec[3][:payload.nbytes] = payload.reshape(-1).view(np.uint8)
         req = self._meeting

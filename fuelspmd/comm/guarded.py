@@ -174,7 +174,15 @@ class GuardedTransport:
                     work = self._checked(check, name, *args)
                 else:
                     g.meet(check)
-                    work = self._issue(call, seq, method, args)
+                    try:
+                        work = method(*args)
+                    except Exception as e:  # all agreed on it: a refusal puts them out of step
+                        if not isinstance(e, CommError):
+                            g.fail(f"{call.fp.op} #{seq} was agreed by every rank of group "
+                                   f"{self.group}, but rank {self.rank}'s transport refused "
+                                   f"to issue it ({type(e).__name__}: {e}); the job must end",
+                                   CommError, raise_now=False)
+                        raise
             except CommError as e:
                 g.fail_with(e)
                 raise
@@ -191,19 +199,6 @@ class GuardedTransport:
         rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         return GuardedWork(g, work, call.encoded, seq, cseq, rec,
                            result=result if self._debug else None)
-
-    def _issue(self, call: _Call, seq: int, method: Callable[..., Work],
-               args: tuple[Any, ...]) -> Work:
-        """Issue a collective every rank agreed on: a refusal puts them out of step."""
-        try:
-            return method(*args)
-        except Exception as e:
-            if not isinstance(e, CommError):
-                self.guard.fail(f"{call.fp.op} #{seq} was agreed by every rank of group "
-                                f"{self.group}, but rank {self.rank}'s transport refused to "
-                                f"issue it ({type(e).__name__}: {e}); the job must end",
-                                CommError, raise_now=False)
-            raise
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Guarded ``Transport.all_reduce`` (in place)."""

@@ -147,7 +147,6 @@ class MPITransport:
         self._seq = 0
         # the route (set_all_reduce_policy: MPI's own until then) and the paths it may use
         self._shm: ShmAllReduce | None = None
-        self._lend_for: dict[tuple[int, Any], bool] = {}  # (bytes, dtype) -> lent or not
         self._kept_windows: list[Any] = []  # lent windows still held at a free (_shm.free)
         self._hier: Hierarchical | None = None
         self._route = _MPI_ONLY
@@ -278,7 +277,7 @@ class MPITransport:
         if self.size == 1:
             return DONE
         # (a size below every band but MPI's own skips the call)
-        algo = self._algorithm(buf, plan) if buf.nbytes > self._route.smallest else "mpi"
+        algo = self._path(buf.nbytes, buf.dtype) if buf.nbytes > self._route.smallest else "mpi"
         if algo == "shm":
             if self._shm.all_reduce(buf, op, seq, check):  # type: ignore[union-attr]
                 return DONE
@@ -290,27 +289,29 @@ class MPITransport:
         if algo == "hierarchical":
             self._hier.all_reduce(buf, plan, seq, None if check is None else check.watch)
             return DONE
-        IN_PLACE = self._MPI.IN_PLACE
-        if plan.stage is None:
-            req = self.comm.Iallreduce(IN_PLACE, [buf, plan.datatype], plan.mpi_op)
-            if not plan.avg:
-                return MPIWork(req, self, "all_reduce", seq, keep=buf)
-            size = self.size
-            return MPIWork(req, self, "all_reduce", seq, lambda: divide(buf, size), buf)
-        stage = buf.astype(plan.stage)
-        req = self.comm.Iallreduce(IN_PLACE, [stage, plan.datatype], plan.mpi_op)
-        return MPIWork(req, self, "all_reduce", seq, self._finish(stage, buf, plan.avg),
-                       (stage, buf))
+        into = buf if plan.stage is None else buf.astype(plan.stage)
+        req = self.comm.Iallreduce(self._MPI.IN_PLACE, [into, plan.datatype], plan.mpi_op)
+        return MPIWork(req, self, "all_reduce", seq, self._finish(into, buf, plan.avg),
+                       (into, buf))
 
-    def _algorithm(self, buf: np.ndarray, plan: Any) -> str:
-        """The path the route gives ``buf``'s all_reduce: shm or hierarchical where set up
-        and able to reduce it (not through a float32 stage), else mpi."""
+    def _path(self, nbytes: int, dtype: Any) -> str:
+        """The path of an all_reduce of ``nbytes`` of ``dtype`` (None: one the path reduces):
+        its band's where that path reduces the dtype as it is (not through a float32 stage;
+        shm: its dtypes, under its cap), else MPI's own. The route's one rule: the calls,
+        :meth:`lend` and :meth:`explain_all_reduce` all follow it."""
         route = self._route
-        algo = (route.band(buf.nbytes).algorithm if buf.nbytes > route.smallest
-                and plan.stage is None else "mpi")
-        if algo == "shm" and (self._shm is None or buf.dtype not in SHM_DTYPES):
+        if self.size == 1 or nbytes <= route.smallest:
             return "mpi"
-        return "mpi" if algo == "hierarchical" and self._hier is None else algo
+        algo = route.band(nbytes).algorithm
+        dt = None if dtype is None else np.dtype(dtype)
+        if algo == "mpi" or (dt is not None
+                             and self._types.reduce_as.get(dt, (None, None))[1] is not None):
+            return "mpi"
+        if algo == "shm":  # (a band whose path could not be set up runs mpi: Route.without)
+            shm = self._shm
+            fits = shm is not None and shm.fits(nbytes)
+            return "shm" if fits and (dt is None or dt in SHM_DTYPES) else "mpi"
+        return algo
 
     def _inline_for(self, buf: Any, op: ReduceOp) -> _Inline | None:
         """The kind of an all_reduce of ``buf`` that rides whole in its check's meeting (a
@@ -320,7 +321,7 @@ class MPITransport:
         if not (self.size > 1 and _plain(buf, self._move) and buf.nbytes <= INLINE):
             return None
         plan = self._types.plan(buf.dtype, op, "all_reduce")  # DTypeError before the meeting
-        if self._algorithm(buf, plan) == "shm":
+        if self._path(buf.nbytes, buf.dtype) == "shm":
             return None
         rec, n = self._records, buf.nbytes
         slot = rec[3][:n].view(buf.dtype).reshape(buf.shape)
@@ -442,43 +443,32 @@ class MPITransport:
             return "auto"
         return algorithm if self.size > 1 and algorithm in route.algorithms else "mpi"
 
-    def _choose(self, nbytes: int, dtype: Any) -> tuple[str, str]:
-        """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
-        if self.size == 1:
-            return "mpi", f"all_reduce of {nbytes} B: nothing to do (one rank)"
-        algo, text, shm = self._route.band(nbytes).algorithm, self._route.explain(nbytes), self._shm
-        if algo == "shm" and shm is not None and not shm.fits(nbytes):
-            return "mpi", (f"{text}; but its window ({size_class(nbytes)} B per rank) is above "
-                           f"the cap of {shm.cap_bytes} B per rank, so MPI's own runs it"
-                           + (f" ({shm.cap_note})" if shm.cap_note else ""))
-        if algo != "mpi" and dtype is not None:
-            dt = np.dtype(dtype)
-            if (self._types.reduce_as.get(dt, (None, None))[1] is not None
-                    or (algo == "shm" and dt not in SHM_DTYPES)):
-                return "mpi", f"{text}; but {dt.name} runs MPI's own (that path does not " \
-                              "reduce it)"
-        return algo, text
-
     def all_reduce_algorithm(self, nbytes: int, dtype: Any = None) -> str:
         """The algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs: mpi, shm or
         hierarchical (a dtype those paths do not reduce, float16 say, runs MPI's own)."""
-        return self._choose(int(nbytes), dtype)[0]
+        return self._path(int(nbytes), dtype)
 
     def explain_all_reduce(self, nbytes: int, dtype: Any = None) -> str:
         """Say which algorithm an all-reduce of ``nbytes`` (of ``dtype``) runs, and why."""
-        return self._choose(int(nbytes), dtype)[1]
+        nbytes = int(nbytes)
+        if self.size == 1:
+            return f"all_reduce of {nbytes} B: nothing to do (one rank)"
+        text, shm = self._route.explain(nbytes), self._shm
+        algo = self._route.band(nbytes).algorithm
+        if self._path(nbytes, dtype) == algo:
+            return text
+        if algo == "shm" and shm is not None and not shm.fits(nbytes):
+            return (f"{text}; but its window ({size_class(nbytes)} B per rank) is above the "
+                    f"cap of {shm.cap_bytes} B per rank, so MPI's own runs it"
+                    + (f" ({shm.cap_note})" if shm.cap_note else ""))
+        return f"{text}; but {np.dtype(dtype).name} runs MPI's own (that path does not reduce it)"
 
     def lend(self, nbytes: int, dtype: Any) -> np.ndarray | None:
         """A free lent area (uint8, at least ``nbytes``) where an all_reduce of ``nbytes`` of
         ``dtype`` reduces as it lies (the ``lend`` capability), or None: ShmAllReduce.lend."""
-        key = (nbytes, dtype)
-        ok = self._lend_for.get(key)
-        if ok is None:
-            ok = (self._shm is not None and nbytes > 0
-                  and self.all_reduce_algorithm(nbytes, dtype) == "shm")
-            if len(self._lend_for) < 4096:  # a program of ever-new sizes stays bounded
-                self._lend_for[key] = ok
-        return self._shm.lend(nbytes) if ok else None  # type: ignore[union-attr]
+        if nbytes > 0 and self._path(nbytes, dtype) == "shm":
+            return self._shm.lend(nbytes)  # type: ignore[union-attr]
+        return None
 
     def lent(self, buf: Any) -> bool:
         """Whether ``buf`` lies in one of this transport's lent areas (see :meth:`lend`)."""
@@ -495,7 +485,6 @@ class MPITransport:
         if self._shm is not None:
             self._kept_windows += self._shm.free()
             self._shm = None
-        self._lend_for.clear()
         if self._hier is not None:
             self._hier.free()
             self._hier = None

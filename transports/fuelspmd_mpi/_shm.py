@@ -94,6 +94,10 @@ _NEAR = 64  # polls of a sync before its deadline and watch are set up (microsec
 _SLOW_WAIT_S, _SLOW_CALLS = 1e-3, 16  # handshakes waited this long: whole-size for a while
 _OPS = list(ReduceOp)
 _NO_CHECK = (0,) * CHECK_WORDS
+# a header as read from word 3 of a flag line (the table): count, dtype, op and call number,
+# then the check words, then these three
+_PLACED, _ASKS, _SLOW = 4 + CHECK_WORDS, 5 + CHECK_WORDS, 6 + CHECK_WORDS
+_HEAD = slice(3, 3 + _SLOW + 1)
 _DTYPE_NAME = {d.num: d.name for d in SHM_DTYPES}
 
 
@@ -356,26 +360,26 @@ class ShmAllReduce:
             self._copy_in(w, flat, lo, hi)
         self._calls += 1
         words = _NO_CHECK if check is None else check.words
-        self._flags[r][3:13] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
+        self._flags[r][_HEAD] = (count, dt.num, _OPS.index(op), self._calls, *words, placed,
                                 want, slow)
         self._sync(seq, check)
-        heads = [f[3:13].tolist() for f in self._flags]  # each line read once, as ints
-        if check is not None and not check.agrees([h[4:7] for h in heads]):
-            raise Disagreement(f"all_reduce #{seq} (shared memory)", [h[4:7] for h in heads])
+        heads = [f[_HEAD].tolist() for f in self._flags]  # each line read once, as ints
+        if check is not None and not check.agrees(rows := [h[4:_PLACED] for h in heads]):
+            raise Disagreement(f"all_reduce #{seq} (shared memory)", rows)
         if any(h[:4] != heads[r][:4] for h in heads):
             _mismatch(heads, r, seq)
-        if all(h[7] for h in heads):  # every input in a lent area (not always the same)
+        if all(h[_PLACED] for h in heads):  # every input in a lent area (not always the same)
             ws = self._lent[cls]
-            segs = [ws[h[7] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
+            segs = [ws[h[_PLACED] - 1].segs[k][:nbytes].view(dt) for k, h in enumerate(heads)]
             fold(segs, lo, hi, op, [s[lo:hi] for k, s in enumerate(segs) if k != r],
                  segs[r][lo:hi])
             self._sync(seq)
-        elif pipe and not any(h[9] for h in heads) and self._pipe() is not None:
+        elif pipe and not any(h[_SLOW] for h in heads) and self._pipe() is not None:
             self._pipelined(flat, op, seq)
         else:
             # every rank copied in before the sync when the window existed and no rank's
             # input was placed or meant for the pipelined path; else the others copy now
-            ready = w is not None and not any(h[7] or (pipe and not h[9]) for h in heads)
+            ready = w is not None and not any(h[_PLACED] or (pipe and not h[_SLOW]) for h in heads)
             if w is None:
                 if self.allocated_bytes + cls > self.cap_bytes:
                     return False  # beyond the cap: every rank decides the same
@@ -395,7 +399,7 @@ class ShmAllReduce:
             for k in range(n):
                 if k != r:
                     flat[bounds[k]:bounds[k + 1]] = res[k]
-        if any(h[8] for h in heads):
+        if any(h[_ASKS] for h in heads):
             self._grow(cls)
         return True
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -30,9 +31,9 @@ from fuelspmd.dtypes import DType, Shape, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import DeviceError, DTypeError
 
-__all__ = ["DEVICES_FORMS", "Backend", "Device", "Spares", "cuda_device_count",
-           "cuda_unavailable_reason", "device", "device_limit", "get_backend", "parse_devices",
-           "to_host", "tracked", "transfer"]
+__all__ = ["DEVICES_FORMS", "Backend", "Device", "Spares", "StagedWork", "cuda_device_count",
+           "cuda_unavailable_reason", "device", "device_limit", "get_backend", "on_gpu",
+           "parse_devices", "settle", "through_host", "to_host", "tracked", "transfer"]
 
 _KINDS = ("cpu", "cuda", "strict")
 # A host device (cpu, strict) is a thread of this process, not a piece of hardware: more of
@@ -259,9 +260,7 @@ class Backend:
         """Return ``arr`` as a numpy array (no copy on the host libraries)."""
         if self.kind == "cpu":
             return np.asarray(arr)
-        if self.kind == "cuda":
-            return self.lib.asnumpy(arr)
-        return np.from_dlpack(arr)
+        return to_host(arr)
 
     def to_transport(self, arr: Any) -> Any:
         """``arr`` as a transport takes it: numpy and cupy arrays as they are, an
@@ -295,14 +294,106 @@ def get_backend(kind: str) -> Backend:
     return Backend(kind)
 
 
-def to_host(arr: Any) -> np.ndarray:
-    """Return any supported array as a numpy array, through DLPack or cupy's copy."""
+def on_gpu(arr: Any) -> bool:
+    """Whether ``arr`` lies in GPU memory: it exposes ``__cuda_array_interface__`` (cupy's
+    arrays; the moves here use cupy's ``device``, ``get`` and ``set``)."""
+    return type(arr) is not np.ndarray and hasattr(arr, "__cuda_array_interface__")
+
+
+def to_host(arr: Any, *, pinned: bool = False) -> np.ndarray:
+    """Return any supported array as a numpy array: a host array through DLPack (no copy),
+    a GPU array copied under its own device (the calling thread may drive another one),
+    into page-locked memory with ``pinned`` (copied at full link speed: what a transport
+    stages through), complete on return."""
     if isinstance(arr, np.ndarray):
         return arr
-    mod = type(arr).__module__.split(".")[0]
-    if mod == "cupy":
-        return get_backend("cuda").to_host(arr)
-    return np.from_dlpack(arr)
+    if not on_gpu(arr):
+        return np.from_dlpack(arr)
+    import cupy
+
+    with cupy.cuda.Device(arr.device.id):
+        if not pinned:
+            return cupy.asnumpy(arr)  # type: ignore[no-any-return]
+        mem = cupy.cuda.alloc_pinned_memory(max(1, arr.nbytes))
+        host = np.frombuffer(mem, arr.dtype, arr.size).reshape(arr.shape)
+        stream = cupy.cuda.get_current_stream()
+        arr.get(out=host, stream=stream)
+        stream.synchronize()
+        return host
+
+
+def settle(arr: Any) -> Any:
+    """Return ``arr``; a GPU array once its device's current stream has finished writing
+    it (a reader on another stream, thread or library could otherwise read it early)."""
+    if on_gpu(arr):
+        import cupy
+
+        with cupy.cuda.Device(arr.device.id):
+            cupy.cuda.get_current_stream().synchronize()
+    return arr
+
+
+class StagedWork:
+    """The Work of an operation run on host copies: ``copy_back`` runs once, when the inner
+    Work is first seen complete (by ``test`` or ``wait``), on the thread that saw it."""
+
+    __slots__ = ("_copy_back", "_inner")
+
+    def __init__(self, inner: Any, copy_back: Callable[[], None]) -> None:
+        self._inner = inner
+        self._copy_back: Callable[[], None] | None = copy_back
+
+    def test(self) -> bool:
+        """Return whether the operation (and the copy back) completed; never blocks."""
+        back = self._copy_back
+        if back is not None and self._inner.test():
+            self._copy_back = None
+            back()
+        return self._copy_back is None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the operation (CommTimeoutError as its Work gives it), then copy back."""
+        if self._copy_back is not None:
+            self._inner.wait(timeout)
+            self.test()
+
+
+def through_host(run: Callable[..., Any], bufs: Sequence[Any], outs: Sequence[int], *,
+                 op: str, direct: Callable[[], bool]) -> StagedWork | None:
+    """Host staging for a transport that moves host memory: ``run(*copies)`` on pinned host
+    copies of GPU ``bufs``, its Work a StagedWork that copies back those of ``outs`` (the
+    indices of the bufs it writes). None, "proceed as they are": host arrays, and GPU
+    arrays once settled when ``direct()`` (asked of GPU arrays only: the transport reads
+    device memory itself). DeviceError for a mix, or for an array neither numpy nor GPU."""
+    gpu = [on_gpu(b) for b in bufs]
+    if not any(gpu):
+        for b in bufs:
+            if not isinstance(b, np.ndarray):
+                raise DeviceError(
+                    f"{op}: this transport takes numpy or GPU (cupy) buffers, got "
+                    f"{type(b).__module__}.{type(b).__name__}; move it to the host first "
+                    f"(fuelspmd.backend.to_host)")
+        return None
+    if not all(gpu):
+        raise DeviceError(f"{op}: one operation mixes host and GPU buffers; move them to "
+                          f"one device first")
+    if direct():
+        for b in bufs:
+            settle(b)
+        return None
+    hosts = [to_host(b, pinned=True) for b in bufs]
+    work = run(*hosts)
+    pairs = [(bufs[i], hosts[i]) for i in outs]
+
+    def copy_back() -> None:
+        import cupy
+
+        for dev, host in pairs:
+            with cupy.cuda.Device(dev.device.id):
+                dev.set(host)
+                cupy.cuda.get_current_stream().synchronize()  # the pinned copy may be reused
+
+    return StagedWork(work, copy_back)
 
 
 def _gpu_to_gpu(cupy: Any, arr: Any, index: int) -> Any:

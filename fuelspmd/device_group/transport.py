@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.backend import Device, Spares, to_host, transfer
+from fuelspmd.backend import Device, Spares, on_gpu, settle, to_host, transfer
 from fuelspmd.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -240,35 +240,6 @@ class _Group:
             return box.pop(0)
 
 
-def _host(buf: Any) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf
-    if _is_cuda(buf):  # this thread may drive another GPU: copy under the buffer's own
-        import cupy
-
-        with cupy.cuda.Device(buf.device.id):
-            return cupy.asnumpy(buf)
-    return to_host(buf)
-
-
-def _is_cuda(buf: Any) -> bool:
-    return type(buf) is not np.ndarray and type(buf).__module__.startswith("cupy")
-
-
-def _settle(buf: Any) -> Any:
-    """Return ``buf``; a GPU buffer only once its stream has finished writing it.
-
-    Another member's thread reads it next, from another stream or GPU: without this it
-    could read the buffer before the kernel that fills it has run.
-    """
-    if _is_cuda(buf):
-        import cupy
-
-        with cupy.cuda.Device(buf.device.id):
-            cupy.cuda.get_current_stream().synchronize()
-    return buf
-
-
 def _to_gpu(arr: Any, index: int) -> Any:
     """``arr`` on GPU ``index`` (itself, or a peer copy: :func:`fuelspmd.backend.transfer`)."""
     return transfer(arr, Device("cuda", arr.device.id), Device("cuda", index))
@@ -282,7 +253,7 @@ def _on_gpus(bufs: list[Any], compute: Callable[[Any, list[Any]], list[Any]]
     The results are complete when this returns (every GPU involved is synchronised), so
     a member may read its result from any stream.
     """
-    if not all(_is_cuda(b) for b in bufs):
+    if not all(on_gpu(b) for b in bufs):
         return None
     import cupy
 
@@ -319,14 +290,14 @@ def _reduce_any(bufs: list[Any], op: ReduceOp, spare: Spares, *,
     gpu = _on_gpus(bufs, lambda xp, bs: _gpu_reduce(xp, bs, op, shared=shared))
     if gpu is not None:
         return gpu
-    return _reduce_job([_host(b) for b in bufs], op, spare, shared=shared)
+    return _reduce_job([to_host(b) for b in bufs], op, spare, shared=shared)
 
 
 def _gather_any(bufs: list[Any]) -> list[Any]:
     def gather(xp: Any, bs: list[Any]) -> list[Any]:
         return [xp.concatenate([b.reshape(-1) for b in bs])] * len(bs)
 
-    return _on_gpus(bufs, gather) or gather(np, [_host(b) for b in bufs])
+    return _on_gpus(bufs, gather) or gather(np, [to_host(b) for b in bufs])
 
 
 def _all_to_all_any(bufs: list[Any]) -> list[Any]:
@@ -336,20 +307,20 @@ def _all_to_all_any(bufs: list[Any]) -> list[Any]:
         blocks = [b.reshape(n, -1) for b in bs]
         return [xp.concatenate([blocks[s][r] for s in range(n)]) for r in range(n)]
 
-    return _on_gpus(bufs, exchange) or exchange(np, [_host(b) for b in bufs])
+    return _on_gpus(bufs, exchange) or exchange(np, [to_host(b) for b in bufs])
 
 
 def _broadcast_any(bufs: list[Any], root: int) -> list[Any]:
     n = len(bufs)
     return (_on_gpus(bufs, lambda xp, bs: [bs[root]] * n)
-            or [_host(bufs[root])] * n)
+            or [to_host(bufs[root])] * n)
 
 
 def _write(buf: Any, out: Any) -> None:
     """Write ``out`` (numpy, or cupy on ``buf``'s GPU) into ``buf``, whatever their shapes."""
     if isinstance(buf, np.ndarray):
         buf.reshape(-1)[...] = out.reshape(-1)
-    elif _is_cuda(out):
+    elif on_gpu(out):
         import cupy
 
         with cupy.cuda.Device(buf.device.id):
@@ -377,14 +348,14 @@ class LocalTransport:
     def _payload(buf: Any) -> Any:
         """What a member hands the group: a host array, or its GPU buffer once settled
         (converted to the host by the computing member if the group is mixed)."""
-        return _settle(buf) if _is_cuda(buf) else _host(buf)
+        return settle(buf) if on_gpu(buf) else to_host(buf)
 
     def _fp(self, op: str, buf: Any, **more: Any) -> dict[str, Any]:
         return {"op": op, "shape": tuple(buf.shape), "dtype": str(buf.dtype), **more}
 
     def all_reduce_shared(self, buf: Any, op: ReduceOp) -> np.ndarray:
         """Reduce once for the whole group; return the one read-only result every rank gets."""
-        host = _host(buf)
+        host = to_host(buf)
 
         return self._g.collective(self.rank, self._fp("all_reduce", host, reduce_op=op.value),
                                   host,
@@ -392,11 +363,11 @@ class LocalTransport:
 
     def all_reduce(self, buf: Any, op: ReduceOp) -> Work:
         check_buffers("all_reduce", self.size, buf)
-        if not _is_cuda(buf):
+        if not on_gpu(buf):
             _write(buf, self.all_reduce_shared(buf, op))
             return DONE
         out = self._g.collective(self.rank, self._fp("all_reduce", buf, reduce_op=op.value),
-                                 _settle(buf),
+                                 settle(buf),
                                  lambda bufs: _reduce_any(bufs, op, self._g.spare, shared=True))
         _write(buf, out)
         return DONE
@@ -437,7 +408,7 @@ class LocalTransport:
         check_peer("send", peer, self.size)
         _check_tag("send", tag, self.tag_bound)
         check_buffers("send", self.size, buf)
-        self._g.post((self.rank, int(peer), int(tag)), np.array(_host(buf), copy=True))
+        self._g.post((self.rank, int(peer), int(tag)), np.array(to_host(buf), copy=True))
         return DONE
 
     def recv(self, buf: Any, peer: int, tag: int) -> Work:
@@ -445,7 +416,7 @@ class LocalTransport:
         _check_tag("recv", tag, self.tag_bound)
         check_buffers("recv", self.size, buf)
         data = self._g.take((int(peer), self.rank, int(tag)))
-        if data.size != buf.size or data.dtype != _host(buf).dtype:
+        if data.size != buf.size or data.dtype != to_host(buf).dtype:
             raise CollectiveMismatchError(
                 f"send/recv tag {tag}: {self._g.devices[peer]} sent {data.shape} {data.dtype} "
                 f"but {self._g.devices[self.rank]} receives {buf.shape} {buf.dtype}")

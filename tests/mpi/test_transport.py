@@ -9,6 +9,7 @@ Values are small integers, so sums and products are exact in every float type an
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import types
@@ -378,6 +379,7 @@ class _Device:
         self.host = np.ones(n, np.float32)
         self.dtype, self.size, self.shape = self.host.dtype, n, (n,)
         self.nbytes, self.flags, self.copies = self.host.nbytes, {"C_CONTIGUOUS": True}, 0
+        self.device = types.SimpleNamespace(id=0)
 
     def get(self, out: np.ndarray, stream: Any = None) -> None:
         self.copies += 1
@@ -393,7 +395,8 @@ def test_a_checked_gpu_all_reduce_meets_before_its_host_copy_moves(
     first: ranks that disagree raise Disagreement before any copy is made (MPI never sees
     the mismatched collective); ranks that agree get the sum back on the device."""
     stream = types.SimpleNamespace(synchronize=lambda: None)
-    cuda = types.SimpleNamespace(alloc_pinned_memory=bytearray, get_current_stream=lambda: stream)
+    cuda = types.SimpleNamespace(alloc_pinned_memory=bytearray, get_current_stream=lambda: stream,
+                                 Device=lambda index: contextlib.nullcontext())
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
     t = world.split(0, world.rank)  # type: ignore[attr-defined]
     t.cuda_aware = (False, "stand-in GPU buffers are staged")

@@ -1,5 +1,6 @@
 """GPU buffers on the MPI transport, the parts that run without a GPU: deciding whether
-the MPI library is CUDA-aware, which buffers are staged, and the staged Work's copy back."""
+the MPI library is CUDA-aware, which buffers are staged (fuelspmd.backend.through_host),
+and the staged Work's copy back."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import array_api_strict as xps
 import numpy as np
 import pytest
 
+from fuelspmd.backend import StagedWork, on_gpu, through_host
 from fuelspmd.errors import DeviceError, ShapeError
 from fuelspmd.transport import SelfTransport
-from fuelspmd_mpi._staging import StagedWork, cuda_aware, detect_cuda_aware, is_device, stage
+from fuelspmd_mpi._staging import cuda_aware, detect_cuda_aware
 
 MPICH = "MPICH Version: 5.0.2\nMPICH configure: --with-device=ch4:ucx,ofi --with-pm=hydra"
 MPICH_CUDA = "MPICH Version: 4.2.1\nMPICH configure: --with-device=ch4:ofi --with-cuda=/usr"
@@ -54,18 +56,18 @@ def test_the_installed_mpi_is_asked() -> None:
 def test_host_arrays_are_never_staged() -> None:
     a = np.arange(4.0)
     s = xps.asarray([1.0, 2.0])
-    assert not is_device(a) and not is_device(s)  # strict has __dlpack__ but no CUDA face
+    assert not on_gpu(a) and not on_gpu(s)  # strict has __dlpack__ but no CUDA face
     asked: list[bool] = []
 
     def aware() -> bool:
         asked.append(True)
         return False
 
-    assert stage(SelfTransport().all_reduce, (a,), (0,), "sum", op="all_reduce",
-                 aware=aware) is None
+    run = SelfTransport().all_reduce
+    assert through_host(run, (a,), (0,), op="all_reduce", direct=aware) is None
     assert asked == []  # the library is asked about GPU buffers only
     with pytest.raises(DeviceError, match="numpy or GPU"):
-        stage(SelfTransport().all_reduce, (s,), (0,), "sum", op="all_reduce", aware=aware)
+        through_host(run, (s,), (0,), op="all_reduce", direct=aware)
 
 
 @pytest.mark.timeout(60)

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
+from fuelspmd.backend import through_host
 from fuelspmd.errors import CommError, ConfigError
 from fuelspmd.transport import (
     CHECK_WORDS,
@@ -37,7 +38,7 @@ from fuelspmd.transport import (
 from fuelspmd_mpi._hier import Hierarchical
 from fuelspmd_mpi._policy import ALGORITHMS, Route, manual_bands, parse_bands
 from fuelspmd_mpi._shm import MIN_CLASS, SHM_DTYPES, ShmAllReduce, fold_piece, size_class
-from fuelspmd_mpi._staging import cuda_aware, stage
+from fuelspmd_mpi._staging import cuda_aware
 from fuelspmd_mpi._work import (
     UFUNCS,
     YIELD_AFTER_S,
@@ -197,10 +198,13 @@ class MPITransport:
     def _staged(self, op: str, bufs: tuple[Any, ...], outs: tuple[int, ...], *extra: Any,
                 send_factor: int = 1, recv_factor: int = 1) -> Work | None:
         """Buffers that are not plain numpy: check_buffers' error, DeviceError, None to go
-        on (CUDA-aware MPI), or the Work on pinned host copies (:mod:`fuelspmd_mpi._staging`)."""
+        on (a CUDA-aware MPI), or the Work on pinned host copies (16-bit floats always:
+        MPI reduces them in a float32 host copy)."""
         check_buffers(op, self.size, *bufs, send_factor=send_factor, recv_factor=recv_factor)
-        return stage(getattr(self, op), bufs, outs, *extra, op=op,
-                     aware=lambda: self.cuda_aware[0])
+        return through_host(
+            lambda *hosts: getattr(self, op)(*hosts, *extra), bufs, outs, op=op,
+            direct=lambda: self.cuda_aware[0] and not any(
+                str(b.dtype) in ("float16", "bfloat16") for b in bufs))
 
     def all_reduce(self, buf: Any, op: ReduceOp | str) -> Work:
         """Reduce ``buf`` over the group in place (``MPI_Iallreduce`` with ``MPI_IN_PLACE``,

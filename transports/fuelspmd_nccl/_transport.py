@@ -35,22 +35,17 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.backend import Device
+from fuelspmd.backend import Device, on_gpu
 from fuelspmd.errors import CollectiveMismatchError, CommError, ConfigError, DeviceError
 from fuelspmd.transport import DONE, ReduceOp, Work, check_buffers, check_peer
 from fuelspmd_nccl._binding import nccl_version, unique_id_format
 from fuelspmd_nccl._tables import NCCL_DTYPES, plan_for
 from fuelspmd_nccl._work import NCCLWork
 
-__all__ = ["NCCLTransport", "init_rank", "is_device_array"]
+__all__ = ["NCCLTransport", "init_rank"]
 
 _ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 _TAG_MAX = 2**31 - 1
-
-
-def is_device_array(buf: Any) -> bool:
-    """Whether ``buf`` is a cupy array (the buffers this transport hands to NCCL)."""
-    return type(buf).__module__.split(".")[0] == "cupy"
 
 
 def init_rank(nccl: Any, size: int, uid: Any, rank: int, timeout: float) -> Any:
@@ -223,7 +218,7 @@ class NCCLTransport:
     def _route(self, op: str, *bufs: Any) -> bool:
         """Return True for device buffers (NCCL), False for host ones (MPI); raise for a mix
         or for device buffers that NCCL cannot take here."""
-        dev = [is_device_array(b) for b in bufs]
+        dev = [on_gpu(b) for b in bufs]
         if not any(dev):
             return False
         if not all(dev):

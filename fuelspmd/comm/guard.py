@@ -166,13 +166,17 @@ class Guard:
     def meet(self, check: Check) -> None:
         """Compare ``check``'s words with every rank's on the control channel (one
         fixed-size all_gather); raise :class:`Disagreement` on every rank if they differ."""
-        assert self.control is not None
-        mine = np.array(check.words, np.int64)
-        rows = np.empty(self.size * mine.size, np.int64)
-        self.wait_work(self.control.all_gather(mine, rows), self.timeout, "the check")
-        table = rows.reshape(self.size, -1).tolist()
+        table = self._gather(check.words, "the check").tolist()
         if not check.agrees(table):
             raise Disagreement("the guard's check", table)
+
+    def _gather(self, words: Any, what: str, limit: float | None = None) -> np.ndarray:
+        """Every rank's int64 ``words`` (one row each), all_gathered on the control channel."""
+        assert self.control is not None
+        mine = np.asarray(words, np.int64)
+        rows = np.empty((self.size, mine.size), np.int64)
+        self.wait_work(self.control.all_gather(mine, rows), limit or self.timeout, what)
+        return rows
 
     def sent_to(self, peer: int, encoded: np.ndarray) -> int:
         """Count a send to ``peer``, post its fingerprint after it; return its number (1, ...)."""
@@ -229,9 +233,8 @@ class Guard:
         """In debug mode, raise unless every rank holds the same ``result`` (a host array)."""
         if self.mode != "debug" or self.control is None:
             return
-        mine = np.array([zlib.crc32(np.ascontiguousarray(result).view(np.uint8))], np.int64)
-        every = np.empty(self.size, np.int64)
-        self.wait_work(self.control.all_gather(mine, every), self.timeout, "the debug check")
+        crc = zlib.crc32(np.ascontiguousarray(result).view(np.uint8))
+        every = self._gather([crc], "the debug check")[:, 0]
         odd = [r for r in range(self.size) if every[r] != every[0]]
         if odd:
             self.fail(f"debug check: after op #{seq} in group {self.group} the result differs "
@@ -347,12 +350,10 @@ class Guard:
         """Every rank saw ``rows`` disagree: gather each rank's fingerprint and pair counts
         on the control channel and raise the mismatch, naming the ranks, the collective
         number and each differing field, or the pair whose sends and recvs do not match."""
-        assert self.control is not None
         n = self.size
-        mine = np.concatenate([self._encoded(), self.sent, self.recvd]).astype(np.int64)
-        table = np.empty((n, mine.size), np.int64)
         try:
-            self.wait_work(self.control.all_gather(mine, table), 2.0, "the explanation")
+            table = self._gather(np.concatenate([self._encoded(), self.sent, self.recvd]),
+                                 "the explanation", 2.0)
         except CommError:
             self.fail(f"collective mismatch in group {self.group}: the ranks' checks differ "
                       f"({rows}) and the fingerprints did not come within 2 s. Fix: {_HINT}")

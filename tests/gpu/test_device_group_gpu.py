@@ -59,3 +59,18 @@ def test_gpu_only_groups() -> None:
     if gpus < 2:
         pytest.skip(f"a GPU-only group of several devices needs 2 GPUs, found {gpus}")
     _check([f"cuda:{i}" for i in range(gpus)])
+
+
+def test_a_tensor_from_another_gpus_array_lands_on_its_device() -> None:
+    """``fs.tensor`` of a cupy array on GPU 1 for ``cuda:0`` copies it to GPU 0 (an array
+    already there is not copied): the buffer lies where the graph says it does."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    with cupy.cuda.Device(1):
+        src = cupy.arange(12, dtype=cupy.float32)
+    moved = fs.tensor(src, device="cuda:0")
+    assert moved.node.buffer.device.id == 0
+    np.testing.assert_array_equal(moved.numpy(), np.arange(12, dtype=np.float32))
+    with cupy.cuda.Device(0):
+        here = cupy.arange(3, dtype=cupy.float32)
+    assert fs.tensor(here, device="cuda:0").node.buffer is here

@@ -33,7 +33,8 @@ from fuelspmd.errors import DeviceError, DTypeError
 
 __all__ = ["DEVICES_FORMS", "Backend", "Device", "Spares", "StagedWork", "cuda_device_count",
            "cuda_unavailable_reason", "device", "device_limit", "get_backend", "on_gpu",
-           "parse_devices", "settle", "through_host", "to_host", "tracked", "transfer"]
+           "parse_devices", "settle", "through_host", "to_gpu", "to_host", "tracked",
+           "transfer"]
 
 _KINDS = ("cpu", "cuda", "strict")
 # A host device (cpu, strict) is a thread of this process, not a piece of hardware: more of
@@ -396,8 +397,8 @@ def through_host(run: Callable[..., Any], bufs: Sequence[Any], outs: Sequence[in
     return StagedWork(work, copy_back)
 
 
-def _gpu_to_gpu(cupy: Any, arr: Any, index: int) -> Any:
-    """``arr`` on GPU ``index``: itself when it is there already, else a copy there.
+def to_gpu(arr: Any, index: int) -> Any:
+    """GPU array ``arr`` on GPU ``index``: itself when it is there already, else a copy there.
 
     One copy of the bytes between the two allocations: with unified addressing the driver
     makes it a peer copy when the GPUs reach each other (NVLink, PCIe P2P) and stages it
@@ -408,6 +409,8 @@ def _gpu_to_gpu(cupy: Any, arr: Any, index: int) -> Any:
     """
     if arr.device.id == index:
         return arr
+    import cupy
+
     with arr.device:
         arr = cupy.ascontiguousarray(arr)
         cupy.cuda.get_current_stream().synchronize()
@@ -431,7 +434,7 @@ def transfer(arr: Any, src: Device, dst: Device) -> Any:
     if src.on_host and dst.on_host:
         return dst_backend.asarray(np.from_dlpack(arr))
     if src.kind == "cuda" and dst.kind == "cuda":
-        return _gpu_to_gpu(dst_backend.lib, arr, dst.index)
+        return to_gpu(arr, dst.index)
     return dst_backend.from_host(get_backend(src.kind).to_host(arr), dst)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd import graph
-from fuelspmd.backend import Device, get_backend, on_gpu, to_host, transfer
+from fuelspmd.backend import Device, get_backend, on_gpu, to_gpu, to_host
 from fuelspmd.backend import device as as_device
 from fuelspmd.dtypes import (
     DType,
@@ -353,8 +353,7 @@ def tensor(data: Any, *, device: Device | str | None = None,
         dt = as_dtype(dtype) if dtype is not None else graph.array_dtype(arr)
     lib = type(arr).__module__.split(".")[0]
     if dev.kind == "cuda":
-        buf = (transfer(arr, Device("cuda", arr.device.id), dev) if on_gpu(arr)  # its GPU
-               else be.from_host(to_host(arr), dev))
+        buf = to_gpu(arr, dev.index) if on_gpu(arr) else be.from_host(to_host(arr), dev)
         if graph.array_dtype(buf) is not dt:
             buf = be.xp.astype(buf, be.dtype(dt))
     elif lib == "numpy" and dev.kind == "cpu" and type(arr) is np.ndarray:

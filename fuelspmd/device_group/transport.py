@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from fuelspmd.backend import Device, Spares, on_gpu, settle, to_host, transfer
+from fuelspmd.backend import Spares, on_gpu, settle, to_gpu, to_host
 from fuelspmd.errors import (
     CollectiveMismatchError,
     CommTimeoutError,
@@ -240,11 +240,6 @@ class _Group:
             return box.pop(0)
 
 
-def _to_gpu(arr: Any, index: int) -> Any:
-    """``arr`` on GPU ``index`` (itself, or a peer copy: :func:`fuelspmd.backend.transfer`)."""
-    return transfer(arr, Device("cuda", arr.device.id), Device("cuda", index))
-
-
 def _on_gpus(bufs: list[Any], compute: Callable[[Any, list[Any]], list[Any]]
              ) -> list[Any] | None:
     """Run ``compute(cupy, bufs)`` on the first member's GPU and hand each member its
@@ -259,9 +254,9 @@ def _on_gpus(bufs: list[Any], compute: Callable[[Any, list[Any]], list[Any]]
 
     home = bufs[0].device.id
     with cupy.cuda.Device(home):
-        outs = compute(cupy, [_to_gpu(b, home) for b in bufs])
+        outs = compute(cupy, [to_gpu(b, home) for b in bufs])
         cupy.cuda.get_current_stream().synchronize()
-    results = [_to_gpu(o, b.device.id) for o, b in zip(outs, bufs)]
+    results = [to_gpu(o, b.device.id) for o, b in zip(outs, bufs)]
     for index in sorted({b.device.id for b in bufs}):
         cupy.cuda.Device(index).synchronize()
     return results
@@ -416,7 +411,7 @@ class LocalTransport:
         _check_tag("recv", tag, self.tag_bound)
         check_buffers("recv", self.size, buf)
         data = self._g.take((int(peer), self.rank, int(tag)))
-        if data.size != buf.size or data.dtype != to_host(buf).dtype:
+        if data.size != buf.size or data.dtype != (buf if on_gpu(buf) else to_host(buf)).dtype:
             raise CollectiveMismatchError(
                 f"send/recv tag {tag}: {self._g.devices[peer]} sent {data.shape} {data.dtype} "
                 f"but {self._g.devices[self.rank]} receives {buf.shape} {buf.dtype}")

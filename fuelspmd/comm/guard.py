@@ -27,7 +27,9 @@ guarantees, and how:
    operation already passed (an older collective, a message already sent) is ignored.
 4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
    exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
-   they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`.
+   they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`. A guard
+   that failed sends its abort before its bye (also when it learnt the failure from a
+   peer's abort), so a peer that reads this rank's notes first raises the same kind.
 5. **A rank that never comes is named.** A wait gives up at the guard's ``timeout`` with
    :class:`~fuelspmd.errors.CommTimeoutError` naming the ranks whose notes do not show
    them in this operation, and what each was last seen doing.
@@ -148,6 +150,7 @@ class Guard:
         self.cur: tuple[np.ndarray, int, int, int, int, Fingerprint | None] | None = None
         self._announced: tuple[Any, ...] | None = None  # the ``cur`` a note announced
         self._said_bye = False
+        self._told = False  # whether the peers were told of this guard's failure
         self.dumped = False  # whether dump() wrote this rank's recorder out
         self.failed: str | None = None
         self._failed_kind: type[Exception] = CollectiveMismatchError
@@ -417,16 +420,23 @@ class Guard:
                 rec = self.recorder.push(fp, seq, cseq) if rec < 0 and fp is not None else rec
                 self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
                                          CommTimeoutError: "timeout"}.get(kind, "failed"), text)
-            if tell and self.control is not None:
-                with contextlib.suppress(CommError):
-                    self._tell(_ABORT, next((i for i, k in enumerate(_KINDS)
-                                             if issubclass(kind, k)), 3), text=text)
+            if tell:
+                self._abort()
             try:
                 self.dump(reason=text)
             except OSError as e:  # a failed dump must not hide the failure itself
                 self.failed = f"{text} (flight recorder dump failed: {e})"
         if raise_now:
             raise self._failed_kind(self.failed)
+
+    def _abort(self) -> None:
+        """Tell every peer (once) that this guard failed, and the kind of error to raise."""
+        if not self._told and self.control is not None:
+            self._told = True
+            with contextlib.suppress(CommError):
+                self._tell(_ABORT, next((i for i, k in enumerate(_KINDS)
+                                         if issubclass(self._failed_kind, k)), 3),
+                           text=self.failed or "")
 
     def dump(self, *, reason: str = "") -> Path | None:
         """Write the flight recorder to ``trace_dir``; None without either."""
@@ -440,6 +450,8 @@ class Guard:
         ``how`` the rank ended when it did not finish normally."""
         if self._probe is not None and not self._said_bye:
             self._said_bye = True
+            if self.failed is not None:  # learnt from a peer's abort: a peer that reads
+                self._abort()  # this bye before that abort must raise the same kind
             with contextlib.suppress(CommError):
                 self._tell(_BYE, cseq, text=how)
 

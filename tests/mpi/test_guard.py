@@ -303,6 +303,28 @@ def test_p2p_mismatch_raises_everywhere(world: Any, gt: GuardedTransport, case: 
     assert_all_raised(every, *names)
 
 
+def test_a_failed_rank_that_closes_passes_on_its_failure(world: Any) -> None:
+    """Rank 1's guard failed, learning it from a peer's abort (so it told no one), and
+    closes. The others, waiting in a barrier, read its notes before any other rank's abort
+    (in a real job, a race): they raise its mismatch, not that it left."""
+    _need2(world)
+    with guarded(world) as g:
+        good_ops(g, 10)
+
+        def action() -> None:
+            if g.rank == 1:
+                with pytest.raises(CollectiveMismatchError):
+                    g.guard.fail("rank 0 aborted: injected mismatch", tell=False)
+                g.close()
+            g.barrier().wait()
+
+        every = outcome(world, action)
+    for rank, (kind, took, text) in enumerate(every):
+        if rank != 1:
+            assert kind == "CollectiveMismatchError", f"rank {rank}: {kind} {text}"
+            assert took < 5.0 and "rank 1 aborted: rank 0 aborted: injected" in text, text
+
+
 @pytest.mark.parametrize("algo", ["mpi", "shm"])
 def test_stuck_rank_times_out_and_trace_names_it(world: Any, tmp_path_factory: Any,
                                                  algo: str) -> None:

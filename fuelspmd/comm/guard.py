@@ -450,8 +450,10 @@ class Guard:
         ``how`` the rank ended when it did not finish normally."""
         if self._probe is not None and not self._said_bye:
             self._said_bye = True
-            if self.failed is not None:  # learnt from a peer's abort: a peer that reads
-                self._abort()  # this bye before that abort must raise the same kind
+            # a failure learnt from a peer's abort is told now: a peer that reads this
+            # bye before that abort must raise the same kind
+            if self.failed is not None:
+                self._abort()
             with contextlib.suppress(CommError):
                 self._tell(_BYE, cseq, text=how)
 

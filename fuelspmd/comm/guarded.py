@@ -208,9 +208,9 @@ class GuardedTransport:
             rop, call = m[3], m[4]
             g = self.guard
             if self._checked is not None and g.failed is None:
-                # _collective's steps on a checked transport, inline: the
-                # call a training step issues most reaches the transport's meeting one frame
-                # sooner (what the other ranks wait on; docs/reliability.md, the guard's cost)
+                # _collective's steps on a checked transport, inline: the call a training
+                # step issues most reaches the transport's meeting one frame sooner (what
+                # the other ranks wait on; docs/reliability.md, the guard's cost)
                 seq, cseq, check = self.seq, self.cseq, call.check
                 assert check is not None  # _checked: checks are on
                 g.cur = (call.encoded, seq, cseq, 0, -1, call.fp)

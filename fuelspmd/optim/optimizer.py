@@ -166,10 +166,12 @@ class Optimizer:
             _positive(type(self).__name__, lr=lr)
         self.schedule: Schedule = as_schedule(lr)
         self.steps = 0
-        # float32 copies of 16-bit parameters, made at their first step (a parameter may
-        # be created without data and filled after the optimiser is built); per
-        # parameter (as loaded, or views of the flat values) and per group (flat), see
-        # :meth:`step`: one of the two is None when the other is the current one
+        # The state and the float32 copies of 16-bit parameters (made at their first
+        # step: a parameter may be created without data and filled after the optimiser
+        # is built), held one of two ways, the other None: per parameter (fresh or as
+        # loaded) until the first step, then per group (flat), as the step wrote them.
+        # The flat tensors are the ones a compiled step's replay updates in place, so
+        # per-parameter views of them are cut on every read, never kept (invariant 10).
         self._per: tuple[list[State], list[Tensor | None]] | None = (
             [{} for _ in self.params], [None] * len(self.params))
         self._flat: list[tuple[State, Tensor | None]] | None = None
@@ -225,16 +227,19 @@ class Optimizer:
         return self._views()[1]
 
     def _views(self) -> tuple[list[State], list[Tensor | None]]:
-        if self._per is None:
-            assert self._flat is not None
-            state: list[State] = [{} for _ in self.params]
-            master: list[Tensor | None] = [None] * len(self.params)
-            for grp, (st, m) in zip(self._groups, self._flat):
-                for i, piece in grp.pieces():
-                    state[i] = {k: piece(v) for k, v in st.items()}
-                    master[i] = None if m is None else piece(m)
-            self._per = (state, master)
-        return self._per
+        """Per parameter: its state and master, as held or as lazy views of the flat
+        tensors (made anew on each read: a view realised before a replay would keep the
+        value of that time)."""
+        if self._flat is None:
+            assert self._per is not None
+            return self._per
+        state: list[State] = [{} for _ in self.params]
+        master: list[Tensor | None] = [None] * len(self.params)
+        for grp, (st, m) in zip(self._groups, self._flat):
+            for i, piece in grp.pieces():
+                state[i] = {k: piece(v) for k, v in st.items()}
+                master[i] = None if m is None else piece(m)
+        return state, master
 
     def step(self, grads: Sequence[Tensor], *, apply: Tensor | None = None) -> None:
         """Update every parameter in place from its gradient (one realised graph).

@@ -4,7 +4,8 @@ Layer 7. float16's smallest normal is 6e-5, so small gradients underflow to zero
 the loss by ``S`` scales every gradient by ``S`` and keeps them representable. Too large an
 ``S`` overflows to inf instead, so the scale adapts: a step whose gradients hold an inf or
 a nan is skipped and ``S`` is multiplied by ``backoff`` (0.5); after ``interval`` good steps
-in a row ``S`` is multiplied by ``growth`` (2).
+in a row ``S`` is multiplied by ``growth`` (2), unless that would make it inf (then it
+stays, as torch's).
 
 The skip decision must be the same on every rank, or the replicas diverge and the next
 collectives mismatch: :meth:`LossScaler.unscale` sums ``0 * g`` over the gradients (nan iff
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.comm import Communicator
-from fuelspmd.dtypes import float32
+from fuelspmd.dtypes import float32, float64
 from fuelspmd.errors import ConfigError
 from fuelspmd.optim.clip import scale_by
 from fuelspmd.tensor import Tensor, realize, tensor, where, zeros
@@ -51,6 +52,7 @@ class LossScaler:
                               f"interval >= 1; got scale={scale}, growth={growth}, "
                               f"backoff={backoff}, interval={interval}")
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
+        self._most = float(np.finfo(np.float64).max) / self.growth  # the largest that grows
         # (scale, finite steps since the scale last changed, skipped steps): numbers until
         # the first scale() places them on its loss's device as float64 0-d tensors
         self._start: tuple[float, int, int] = (float(scale), 0, 0)
@@ -58,8 +60,8 @@ class LossScaler:
 
     def _tensors(self, device: Any) -> tuple[Tensor, Tensor, Tensor]:
         if self._state is None or self._state[0].device != device:
-            self._state = tuple(tensor(np.float64(v), device=device)  # type: ignore[assignment]
-                                for v in self._numbers())
+            self._state = tuple(tensor(np.float64(v), device=device,  # type: ignore[assignment]
+                                       dtype=float64) for v in self._numbers())
         assert self._state is not None
         return self._state
 
@@ -118,10 +120,15 @@ class LossScaler:
             finite = tensor(bool(finite), device=dev)
         scale, good, skipped = self._tensors(finite.device)
         good1 = good + 1.0
-        grow = good1 >= float(self.interval)
+        due = good1 >= float(self.interval)
+        # as torch's: the count restarts when due, and the scale grows only if it stays
+        # finite (asked before the product, which would overflow)
+        grow, keep, back = (tensor(np.float64(v), device=finite.device, dtype=float64)
+                            for v in (self.growth, 1.0, self.backoff))
+        by = where(finite, where(due & (scale <= self._most), grow, keep), back)
         self._state = (
-            where(finite, where(grow, scale * self.growth, scale), scale * self.backoff),
-            where(finite, where(grow, good * 0.0, good1), good * 0.0),
+            scale * by,
+            where(finite, where(due, good * 0.0, good1), good * 0.0),
             where(finite, skipped, skipped + 1.0))
         realize(*self._state)  # the next step reads values, not this step's graph
 

@@ -455,3 +455,33 @@ def test_zero1_clips_a_tp_sharded_model_whose_dp_slices_hold_different_kinds() -
         assert min(norms_a) > 1.0  # clipped every step
         for x, y in zip(a, b):
             np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-14)
+
+
+def test_the_loss_scale_is_float64_and_follows_torchs_grad_scaler_without_reaching_inf(
+        ) -> None:
+    """torch's GradScaler rule step by step (grow after ``interval`` finite steps, the count
+    restarting then, back off on a non-finite one), with a growth factor float32 cannot
+    hold exactly; at growth_interval=1 the scale stops at the largest finite float64 it
+    reaches (torch's stops below float32's inf) instead of growing to inf and skipping
+    every step after."""
+    finite = [True, True, True, False, True, True, True, True, False, True]
+    ours = optim.LossScaler(2.0 ** 16, growth=1.7, backoff=0.3, interval=3)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_factor=1.7,
+                                  backoff_factor=0.3, growth_interval=3)
+    theirs._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scale, tracker = theirs._scale, theirs._growth_tracker  # torch's scale is float32
+    for f in finite:
+        ours.update(f)
+        torch._amp_update_scale_(scale, tracker, torch.tensor(0.0 if f else 1.0), 1.7, 0.3, 3)
+        assert ours.good == tracker.item()
+        np.testing.assert_allclose(ours.value, scale.item(), rtol=1e-6)
+    assert ours.factor.dtype == fs.float64 and ours.skipped == 2
+    assert ours.value == 2.0 ** 16 * 1.7 * 0.3 * 1.7 * 0.3  # in float64
+
+    capped = optim.LossScaler(2.0 ** 16, interval=1)
+    with np.errstate(all="raise"):  # nor does the cap compute an overflowing product
+        for _ in range(1100):
+            capped.update(True)
+    assert capped.value == 2.0 ** 1023 and capped.good == 0
+    capped.update(False)
+    assert capped.value == 2.0 ** 1022 and capped.skipped == 1

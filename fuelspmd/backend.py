@@ -447,7 +447,8 @@ def tracked(memory: np.ndarray) -> np.ndarray:
     alive exactly while some view of the memory is. That is how a pool knows, without
     reference counts, that nothing refers to a buffer it lent.
     """
-    return np.frombuffer(memoryview(memory), np.uint8)
+    # viewed as bytes first: the buffer protocol cannot export ml_dtypes' bfloat16
+    return np.frombuffer(memoryview(memory.reshape(-1).view(np.uint8)), np.uint8)
 
 
 class Spares:

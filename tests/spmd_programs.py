@@ -114,3 +114,62 @@ def grad_reference(n: int) -> list[np.ndarray]:
         d_a2a = np.concatenate([np.split(cs[k][4], n, axis=0)[r] for k in range(n)], axis=1)
         grads.append(xs[r].T @ (d_ar + d_ag + d_rs + d_bc + d_a2a))
     return grads
+
+
+# Sizes that cross every threshold a 16-bit buffer meets on its way (bytes of one
+# all_reduce's input): one element, the MPI check record's inline payload (512 B), the
+# spare-buffer pool and the shared-memory chunk (256 KiB), the dp gradient bucket (1 MiB).
+SIXTEEN_BIT_BYTES = (24, 600, 300 << 10, 1200 << 10)
+
+
+def sixteen_bit_input(rank: int, n: int, dt: str, nbytes: int) -> np.ndarray:
+    """Rank ``rank``'s (12, m) input of about ``nbytes``: small integers, exact in float16
+    and bfloat16 and in their sums over four ranks, so every result is exact."""
+    m = max(1, nbytes // (2 * 12))
+    rng = np.random.default_rng([29, rank, n, m])
+    return rng.integers(-3, 4, (12, m)).astype(fs.dtypes.to_numpy(dt))
+
+
+def sixteen_bit(comm: Any, x: np.ndarray) -> dict[str, np.ndarray]:
+    """Every collective on a float16 or bfloat16 ``x``: an all_reduce alone and a bucket
+    of three realised together (one transport call), the rest as :func:`every_collective`."""
+    r, n = comm.rank, comm.size
+    t = fs.tensor(x, device=comm.device)
+    out = {"sum": comm.all_reduce(t * 2.0 + 1.0), "max": comm.all_reduce(t, "max")}
+    fs.realize(*out.values())
+    bucket = [comm.all_reduce(t + float(k)) for k in range(3)]
+    fs.realize(*bucket)
+    out.update({f"bucket{k}": b for k, b in enumerate(bucket)})
+    out.update({
+        "gather": comm.all_gather(t, axis=1),
+        "scatter": comm.reduce_scatter(t, axis=0),
+        "bcast": comm.broadcast(t, root=n - 1),
+        "a2a": comm.all_to_all(t, split_axis=0, concat_axis=1),
+    })
+    if r % 2 == 0:
+        comm.send(t * 3.0, (r + 1) % n)
+        out["ring"] = comm.recv(x.shape, t.dtype, (r - 1) % n)
+    else:
+        out["ring"] = comm.recv(x.shape, t.dtype, (r - 1) % n)
+        comm.send(t * 3.0, (r + 1) % n)
+    fs.realize(*out.values())
+    comm.barrier()  # issues an odd rank's send, built after the last realised node
+    return {k: v.numpy() for k, v in out.items()}
+
+
+def sixteen_bit_reference(n: int, dt: str, nbytes: int) -> list[dict[str, np.ndarray]]:
+    """The exact result of :func:`sixteen_bit` on every rank of a size-``n`` group."""
+    xs = [sixteen_bit_input(r, n, dt, nbytes).astype(np.float64) for r in range(n)]
+    total = sum(xs)
+    dtype = fs.dtypes.to_numpy(dt)
+    refs = []
+    for r in range(n):
+        ref = {"sum": sum(x * 2.0 + 1.0 for x in xs), "max": np.maximum.reduce(xs),
+               **{f"bucket{k}": sum(x + k for x in xs) for k in range(3)},
+               "gather": np.concatenate(xs, axis=1),
+               "scatter": np.split(total, n, axis=0)[r],
+               "bcast": xs[n - 1],
+               "a2a": np.concatenate([np.split(xs[s], n, axis=0)[r] for s in range(n)], axis=1),
+               "ring": xs[(r - 1) % n] * 3.0}
+        refs.append({k: v.astype(dtype) for k, v in ref.items()})
+    return refs

@@ -38,6 +38,21 @@ def test_every_collective_matches_numpy(world: fs.World) -> None:
         np.testing.assert_allclose(got[k], want[k], rtol=P.RTOL, atol=1e-12, err_msg=k)
 
 
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_sixteen_bit_collectives_at_every_threshold(world: fs.World, dt: str) -> None:
+    """float16 and bfloat16 through every collective, alone and bucketed, at sizes past
+    each threshold of the path (inline check records, spare buffers, shared-memory chunks,
+    buckets): exact results, as in a DeviceGroup (tests/unit/test_device_group.py)."""
+    comm = world.comm
+    for nbytes in P.SIXTEEN_BIT_BYTES:
+        got = P.sixteen_bit(comm, P.sixteen_bit_input(comm.rank, comm.size, dt, nbytes))
+        want = P.sixteen_bit_reference(comm.size, dt, nbytes)[comm.rank]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{nbytes} B {k}")
+
+
 def test_gradients_through_collectives(world: fs.World) -> None:
     comm = world.comm
     x, w, cot = P.grad_inputs(comm.rank, comm.size)

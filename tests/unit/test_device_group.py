@@ -409,3 +409,19 @@ def test_parse_checks_counts_and_indices_against_what_exists(
     monkeypatch.setattr("fuelspmd.backend.cuda_device_count", lambda: 0)
     with pytest.raises(DeviceError, match=r"cupy sees no GPU .*pip install -e '\.\[gpu\]'"):
         parse_devices("cuda:1")
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_sixteen_bit_collectives_at_every_threshold(dt: str) -> None:
+    """float16 and bfloat16 through every collective, alone and bucketed, at sizes past
+    each threshold of the path (spare buffers, buckets): exact results."""
+    n = 3
+    group = DeviceGroup.cpu(n, timeout=TIMEOUT)
+    for nbytes in P.SIXTEEN_BIT_BYTES:
+        outs = group.run(P.sixteen_bit, [P.sixteen_bit_input(r, n, dt, nbytes)
+                                         for r in range(n)])
+        for got, want in zip(outs, P.sixteen_bit_reference(n, dt, nbytes)):
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k].dtype == want[k].dtype, k
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{nbytes} B {k}")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.dtypes import DType, float32, float64
-from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.errors import CheckpointMismatchError, ConfigError, ShapeError
 from fuelspmd.nn import Parameter
 from fuelspmd.optim.schedules import Schedule, as_schedule
 from fuelspmd.tensor import Tensor, concat, host, realize, tensor, where, zeros
@@ -187,6 +187,11 @@ class Optimizer:
         """The state of a tensor like ``w`` before its first step."""
         return {}
 
+    def state_names(self) -> tuple[str, ...]:
+        """The names of the state a step keeps per parameter (what :meth:`update`
+        returns), as a checkpoint of this optimiser holds them."""
+        return ()
+
     def coefficients(self, lr: float, step: int) -> tuple[float, ...]:
         """The numbers of step ``step`` (from 1) that change from step to step, computed
         in Python floats; :meth:`update` receives them as 0-d tensors of its dtype."""
@@ -324,11 +329,46 @@ class Optimizer:
             out.append(d)
         return out
 
+    def check_shard_state(self, steps: Any, names: Sequence[Sequence[str]], *,
+                          owner: str = "load", labels: Sequence[str] | None = None) -> None:
+        """Raise CheckpointMismatchError unless ``steps`` and the saved state names
+        ``names[i]`` of each parameter are what this optimiser keeps: a step count >= 0,
+        and per parameter either nothing (never stepped, so only with ``steps`` 0) or
+        exactly :meth:`state_names`, with or without a ``MASTER`` (a run of another
+        dtype). Reads nothing and changes nothing, so a loader checks before it assigns.
+        ``labels``: what to call each parameter (a checkpoint key)."""
+        kind = type(self).__name__
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise CheckpointMismatchError(
+                f"{owner}: the saved step count of {kind} is {steps!r}; a step count is an "
+                "integer >= 0 (the checkpoint's index is damaged or not this format's)")
+        if len(names) != len(self.params):
+            raise CheckpointMismatchError(
+                f"{owner}: saved state for {len(names)} parameters, {kind} has "
+                f"{len(self.params)}; load into an optimiser over the same parameters")
+        want = set(self.state_names())
+        bad = []
+        for i, got in enumerate(names):
+            have = set(got) - {MASTER}
+            label = f"#{i}" if labels is None else f"#{i} {labels[i]!r}"
+            if have - want:
+                bad.append(f"parameter {label} has saved {sorted(have - want)}, which {kind} "
+                           "does not keep")
+            elif (have or steps) and want - have:
+                bad.append(f"parameter {label} lacks {sorted(want - have)}")
+        if bad:
+            raise CheckpointMismatchError(
+                f"{owner}: the saved optimiser state is not {kind}'s ({kind} keeps "
+                f"{sorted(want) or 'no state'} per parameter after {steps} steps): "
+                f"{'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}; load it into the "
+                "optimiser it was saved with (same class and momentum setting)")
+
     def load_shard_state(self, steps: int, names: Sequence[Sequence[str]], read: Reader
                          ) -> None:
         """Fill the state from ``read`` (see ``Reader``): parameter ``i`` gets the states
         ``names[i]``; a ``MASTER`` is kept only for a 16-bit parameter (else the parameter
-        itself is the master)."""
+        itself is the master). Checked first (:meth:`check_shard_state`)."""
+        self.check_shard_state(steps, names, owner=f"{type(self).__name__}.load_shard_state")
         state: list[State] = []
         masters: list[Tensor | None] = []
         for i, p in enumerate(self.params):
@@ -362,6 +402,7 @@ class Optimizer:
             raise ShapeError(f"{owner}: entries that do not fit: {', '.join(bad)}; load a "
                              "state_dict saved by an optimiser over parameters of these "
                              "shapes and dtypes")
+        self.check_shard_state(d["steps"], [list(st) for st in state], owner=owner)
         dev = self.params[0].device
         states: list[State] = []
         masters: list[Tensor | None] = []
@@ -391,6 +432,9 @@ class SGD(Optimizer):
         super().__init__(params, lr=lr)
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.weight_decay, self.nesterov = float(weight_decay), bool(nesterov)
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum",) if self.momentum else ()
 
     def update(self, w: Tensor, g: Tensor, state: State, *, coef: Sequence[Tensor]
                ) -> tuple[Tensor, State]:
@@ -427,6 +471,9 @@ class AdamW(Optimizer):
     def init_state(self, w: Tensor) -> State:
         z = zeros(w.shape, device=w.device, dtype=w.dtype)
         return {"exp_avg": z, "exp_avg_sq": z}
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
 
     def coefficients(self, lr: float, step: int) -> tuple[float, ...]:
         """``1 - lr wd``, ``-lr / (1 - b1^t)``, ``sqrt(1 - b2^t)``: torch's Python floats."""

@@ -246,6 +246,11 @@ class ZeRO1:
         return norm
 
     # ---- state -----------------------------------------------------------------------
+    def check_shard_state(self, steps: Any, names: Sequence[Sequence[str]], *,
+                          owner: str = "load", labels: Sequence[str] | None = None) -> None:
+        """As the inner optimiser's :meth:`~fuelspmd.optim.Optimizer.check_shard_state`."""
+        self.inner.check_shard_state(steps, names, owner=owner, labels=labels)
+
     def _layout(self) -> list[tuple[list[int], int]]:
         return [(list(b.index), b.shard) for b in self.buckets]
 
@@ -286,6 +291,7 @@ class ZeRO1:
                          ) -> None:
         """As :meth:`Optimizer.load_shard_state`, reading only this rank's slices; the
         parameters of one bucket must have the same state names (ConfigError if not)."""
+        self.check_shard_state(steps, names, owner="ZeRO1.load_shard_state")
         for k, b in enumerate(self.buckets):
             mdt = master_dtype(b.dtype)
             kinds = {tuple(sorted(names[i])) for i in b.index}
@@ -315,6 +321,11 @@ class ZeRO1:
             raise ShapeError(f"ZeRO1.load_state_dict: the state was saved for another layout "
                              f"({'; '.join(bad)}); load it on the same dp rank with the same "
                              "parameters and bucket_bytes")
+        names: list[list[str]] = [[] for _ in self.params]
+        for b, st in zip(self.buckets, d["state"]):
+            for i in b.index:
+                names[i] = list(st)
+        self.check_shard_state(d["steps"], names, owner="ZeRO1.load_state_dict")
         dev = self.params[0].device
         for k, b in enumerate(self.buckets):
             mdt = master_dtype(b.dtype)

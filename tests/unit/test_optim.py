@@ -485,3 +485,57 @@ def test_the_loss_scale_is_float64_and_follows_torchs_grad_scaler_without_reachi
     assert capped.value == 2.0 ** 1023 and capped.good == 0
     capped.update(False)
     assert capped.value == 2.0 ** 1022 and capped.skipped == 1
+
+
+@pytest.mark.parametrize("saved_by,loaded_by", [("SGD", "AdamW"), ("AdamW", "SGD"),
+                                                ("AdamW", "SGD-plain"), ("SGD-plain", "AdamW"),
+                                                ("SGD", "ZeRO1")])
+def test_optimiser_state_of_another_kind_is_refused_at_load(tmp_path: Path, saved_by: str,
+                                                            loaded_by: str) -> None:
+    """A checkpoint saved by one optimiser and loaded into another fails at the load, with
+    CheckpointMismatchError naming the entry (before: AdamW's state went into SGD silently,
+    SGD's into AdamW failed at the next step with KeyError 'exp_avg')."""
+    from fuelspmd import checkpoint
+    from fuelspmd.comm import Communicator
+    from fuelspmd.errors import CheckpointMismatchError
+    from fuelspmd.transport import SelfTransport
+
+    def make(kind: str) -> tuple[nn.Module, Any]:
+        model = nn.Linear(4, 3, seed=0)
+        ps = model.parameters()
+        if kind.startswith("SGD"):
+            return model, optim.SGD(ps, lr=0.1, momentum=0.0 if kind == "SGD-plain" else 0.9)
+        adam = optim.AdamW(ps, lr=0.1)
+        if kind == "ZeRO1":
+            return model, optim.ZeRO1(adam, dp=Communicator(SelfTransport(), device="cpu"))
+        return model, adam
+
+    model, opt = make(saved_by)
+    x = fs.tensor(np.ones((2, 4), np.float32))
+    for _ in range(2):
+        opt.step(fs.grad((model(x) ** 2).sum(), model.parameters()))
+    checkpoint.save(str(tmp_path / "ckpt"), {"model": model, "opt": opt})
+    model2, opt2 = make(loaded_by)
+    with pytest.raises(CheckpointMismatchError, match=r"parameter #0 .*(exp_avg|momentum)"):
+        checkpoint.load(str(tmp_path / "ckpt"), {"model": model2, "opt": opt2})
+    assert opt2.steps == 0
+
+
+def test_a_missing_state_entry_is_refused() -> None:
+    """A state_dict that lacks an entry (exp_avg_sq of one parameter) is refused, naming
+    it; before, the moment stayed at zero. A negative or non-integer step count too."""
+    from fuelspmd.errors import CheckpointMismatchError
+
+    ps = [nn.Parameter(fs.tensor(a.copy())) for a in _init()]
+    opt = optim.AdamW(ps, lr=0.01)
+    opt.step(fs.grad(_loss_fs(ps, 0), ps))
+    saved = opt.state_dict()
+    fresh = optim.AdamW([nn.Parameter(fs.tensor(a.copy())) for a in _init()], lr=0.01)
+    gone = dict(saved, state=[dict(st) for st in saved["state"]])
+    del gone["state"][1]["exp_avg_sq"]
+    with pytest.raises(CheckpointMismatchError, match=r"#1 lacks \['exp_avg_sq'\]"):
+        fresh.load_state_dict(gone)
+    for steps in (-3, 1.5, True, "2"):
+        with pytest.raises(CheckpointMismatchError, match="step count"):
+            fresh.load_state_dict(dict(saved, steps=steps))
+    assert fresh.steps == 0 and not any(fresh.state)

@@ -48,8 +48,9 @@ prints beside the last loss.
 
 ``--from DIR`` fine-tunes a Hugging Face GPT-2 or Llama directory on the same task (over
 the model's vocabulary) instead: :func:`fuelspmd.models.from_pretrained` over the mesh
-gives each rank its stage's shards, the model's pipeline stage is the executor's, and the
-loss is the cross-entropy of its full logits. With tied embeddings and pp > 1 the first
+gives each rank its stages' shards (its chunks, interleaved), the model's pipeline stages
+are the executor's, its config's dropout is on, and the loss is the cross-entropy of its
+full logits. With tied embeddings and pp > 1 the first
 and last stages each hold the table, and their gradients are summed over those two
 stages before the step, so the copies stay equal.
 """
@@ -253,16 +254,17 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     vs = [j * pp_ + mesh.coord("pp") for j in range(chunks)]
     pretrained = None
     if args.from_dir:
-        if chunks != 1:
-            raise ConfigError(f"train --from: a loaded model is one stage per rank; use "
-                              f"--chunks 1 and a non-interleaved schedule, not {chunks}")
         # imported here: importing it shifts the garbage collector's timing, and with it the
         # guard's point-to-point check raises a false mismatch in the interleaved tp 2 x pp
         # 2 run (a recv that an already sent message satisfies is taken for a deadlock)
         from fuelspmd import models
 
-        pretrained = models.from_pretrained(args.from_dir, mesh=mesh, dtype=cfg.dtype)
-        ranges = [(0, cfg.layers)]
+        pretrained = models.from_pretrained(args.from_dir, mesh=mesh, chunks=chunks,
+                                            dtype=cfg.dtype)
+        pretrained.train()  # the config's dropout, keyed per replica as the built-in's
+        pretrained.rng.seed = rng.seed
+        rng = pretrained.rng
+        ranges = pretrained.ranges
         stages: list[Any] = pretrained.stages
     else:
         ranges = stage_layers(cfg, pp_ * chunks)
@@ -280,7 +282,8 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
             value = cross_entropy(z if z.dtype.itemsize >= 4 else z.astype(fs.float32), t)
         return value if scaler is None else scaler.scale(value)
 
-    params = [p for st in stages for p in st.parameters()]
+    params = (pretrained.parameters() if pretrained is not None else
+              [p for st in stages for p in st.parameters()])
     lr = optim.cosine(args.lr, args.steps, warmup=args.warmup, min_lr=args.lr / 10)
     adam = optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
     # ZeRO-1: the pipeline reduce-scatters each chunk's gradient buckets inside its last
@@ -293,7 +296,6 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     first, lastv = vs[0] == 0, vs[-1] == len(ranges) - 1
     if pretrained is not None:
         first, lastv = pretrained.first, pretrained.last
-    tied = tied_table(pretrained, ppc)
     out: dict[str, Any] = {"losses": [], "times": [], "bubbles": [], "norms": [],
                            "check": None, "skipped": 0, "peak_saved": 0, "peak_run": 0,
                            "mesh": {"tp": tp_, "pp": pp_, "dp": dp_}}
@@ -317,9 +319,9 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         that ``fs.compile`` can replay it: (mean loss, global norm, whether the step was
         applied (float16: the scaler's finiteness check), the gradients when ``keep``)."""
         res = last["res"] = ex.step(xs, ys)  # kept from the traced calls
-        grads = [g for gs in res.grads for g in gs]
-        if tied is not None:  # the first and last stages' copies of a tied table
-            grads[tied[0]] = tied[1].all_reduce(grads[tied[0]])
+        # a loaded model's tied table: its uses summed over chunks and stages
+        grads = (pretrained.param_grads(res.grads) if pretrained is not None else
+                 [g for gs in res.grads for g in gs])
         loss = res.loss
         finite = None
         if scaler is not None:  # unscale first: it places the scale on a stage with no loss
@@ -373,20 +375,6 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     if bar is not None:
         bar.done(out)
     return out
-
-
-def tied_table(model: Any, ppc: Communicator
-               ) -> tuple[int, Communicator] | None:
-    """(index of the embedding in the stage's parameters, the first and last stages'
-    Communicator) when this rank holds a copy of a tied table that another stage also
-    holds (pp > 1); None otherwise. Collective over ``ppc`` (a split) when pp > 1."""
-    if model is None or ppc.size == 1 or not model.arch.tie:
-        return None
-    ends = ppc.split(0 if model.first or model.last else 1, ppc.rank)
-    if not (model.first or model.last):
-        return None
-    names = [n for n, _ in model.named_parameters()]
-    return names.index("embed.weight"), ends
 
 
 class Progress:

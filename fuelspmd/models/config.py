@@ -22,6 +22,9 @@ __all__ = ["Arch", "GPT2Config", "LlamaConfig", "check_layout"]
 
 # GPT-2 activation names -> the gelu's ``approximate`` (gelu_new is the tanh form)
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+# GPT-2's dropout fields, and transformers' value for one a config.json leaves out
+GPT2_DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
+HF_GPT2_DROPOUT = 0.1
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class Arch:
     activation: str      # "gelu_tanh", "gelu" or "silu"
     rope_theta: float | None  # rotary positions; None: learned position embeddings
     tie: bool            # the LM head is the embedding table
+    # dropout probabilities, active in training mode on the plain forward: after the
+    # embeddings, on the attention probabilities, on each block's two residual branches
+    embed_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
 
 
 def _need(d: dict[str, Any], key: str, owner: str) -> Any:
@@ -57,7 +65,10 @@ def _refuse(owner: str, key: str, value: Any, fix: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class GPT2Config:
-    """GPT-2 (``model_type`` "gpt2"): learned positions, LayerNorm, fused QKV, GELU MLP."""
+    """GPT-2 (``model_type`` "gpt2"): learned positions, LayerNorm, fused QKV, GELU MLP.
+
+    The dropout probabilities are 0 in a config built in code unless given; read from a
+    ``config.json`` that leaves one out, it is transformers' default, 0.1."""
 
     vocab_size: int
     n_embd: int
@@ -68,6 +79,9 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     activation_function: str = "gelu_new"
     tie_word_embeddings: bool = True
+    embd_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     model_type = "gpt2"
@@ -92,7 +106,9 @@ class GPT2Config:
                    n_inner=None if d.get("n_inner") is None else int(d["n_inner"]),
                    layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
                    activation_function=act,
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), extra=dict(d))
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+                   **{k: float(d.get(k, HF_GPT2_DROPOUT)) for k in GPT2_DROPOUTS},
+                   extra=dict(d))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict: the fields it came with, these values over them."""
@@ -102,7 +118,8 @@ class GPT2Config:
                 "n_positions": self.n_positions, "n_inner": self.n_inner,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "activation_function": self.activation_function,
-                "tie_word_embeddings": self.tie_word_embeddings}
+                "tie_word_embeddings": self.tie_word_embeddings,
+                **{k: getattr(self, k) for k in GPT2_DROPOUTS}}
 
     @property
     def arch(self) -> Arch:
@@ -111,7 +128,9 @@ class GPT2Config:
                     ffn=self.n_inner or 4 * self.n_embd, max_positions=self.n_positions,
                     eps=self.layer_norm_epsilon, norm="layer", bias=True, gated=False,
                     activation="gelu_tanh" if GPT2_ACTIVATIONS[self.activation_function]
-                    == "tanh" else "gelu", rope_theta=None, tie=self.tie_word_embeddings)
+                    == "tanh" else "gelu", rope_theta=None, tie=self.tie_word_embeddings,
+                    embed_dropout=self.embd_pdrop, attn_dropout=self.attn_pdrop,
+                    resid_dropout=self.resid_pdrop)
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    attention_dropout: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     model_type = "llama"
@@ -163,7 +183,8 @@ class LlamaConfig:
                    head_dim=None if d.get("head_dim") is None else int(d["head_dim"]),
                    rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
                    max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), extra=dict(d))
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   attention_dropout=float(d.get("attention_dropout", 0.0)), extra=dict(d))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict: the fields it came with, these values over them."""
@@ -178,6 +199,7 @@ class LlamaConfig:
                "max_position_embeddings": self.max_position_embeddings,
                "attention_bias": False, "mlp_bias": False,
                "tie_word_embeddings": self.tie_word_embeddings,
+               "attention_dropout": self.attention_dropout,
                "rope_theta": self.rope_theta,
                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"}}
         out.pop("rope_scaling", None)
@@ -193,7 +215,7 @@ class LlamaConfig:
                     ffn=self.intermediate_size, max_positions=self.max_position_embeddings,
                     eps=self.rms_norm_eps, norm="rms", bias=False, gated=True,
                     activation="silu", rope_theta=self.rope_theta,
-                    tie=self.tie_word_embeddings)
+                    tie=self.tie_word_embeddings, attn_dropout=self.attention_dropout)
 
 
 def check_layout(owner: str, a: Arch, tp: int, pp: int) -> None:

@@ -15,7 +15,16 @@ head. With tied embeddings the last stage keeps its own copy of the table under 
 name (``embed.weight``), as Megatron does, marked ``spec.mirror`` (norms count the first
 stage's). ``model(x)`` is the stage's forward (ids in on the first, hidden states between,
 logits out of the last): :attr:`Decoder.stages` is what a
-:class:`~fuelspmd.pipeline_parallel.PipelineExecutor` takes.
+:class:`~fuelspmd.pipeline_parallel.PipelineExecutor` takes. With ``chunks=c`` (an
+interleaved schedule) the layers are cut into ``pp * c`` virtual stages and rank ``s``
+holds virtual stages ``s, s + pp, ...``, each a :class:`Chunk` of :attr:`Decoder.stages`;
+the names stay the whole model's, so a checkpoint moves between any of these layouts.
+
+Dropout, as transformers' models have it (the config's probabilities: GPT-2's
+``embd_pdrop``, ``attn_pdrop``, ``resid_pdrop``, Llama's ``attention_dropout``), acts in
+training mode on the plain forward, never through the paged cache. Every mask is keyed by
+:attr:`Decoder.rng` and the global layer (:class:`Block`), so it is the same on every
+layout; a training loop sets ``rng.set_step(step)`` (the pipeline sets the micro-batch).
 
 Hugging Face layout. Each subclass maps a parameter name of ours to a :class:`Source`: the
 Hugging Face tensor, whether it is stored transposed (``nn.Linear``'s ``[out, in]``
@@ -43,7 +52,16 @@ from fuelspmd.dtypes import DType, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError
 from fuelspmd.functional import gelu, silu
-from fuelspmd.nn import Embedding, LayerNorm, Module, Parameter, RMSNorm, Spec
+from fuelspmd.nn import (
+    Dropout,
+    DropoutRNG,
+    Embedding,
+    LayerNorm,
+    Module,
+    Parameter,
+    RMSNorm,
+    Spec,
+)
 from fuelspmd.tensor import Tensor, tensor
 from fuelspmd.tensor_parallel import (
     ParallelAttention,
@@ -57,7 +75,7 @@ from .config import Arch, check_layout
 from .generate import greedy
 from .safetensors_io import SafetensorsReader, StreamingWriter, atomic_write_text
 
-__all__ = ["Decoder", "PagedStep", "Source", "stage_layers"]
+__all__ = ["Chunk", "Decoder", "PagedStep", "Source", "stage_layers"]
 
 ACTIVATIONS = {"gelu_tanh": gelu, "gelu": partial(gelu, approximate="none"), "silu": silu}
 
@@ -124,10 +142,13 @@ def _comms(comm: Any, mesh: Any, device: Device | str | None
 
 
 class Block(Module):
-    """``h + attn(norm1(h))``, then ``+ mlp(norm2(.))``; heads and MLP width over ``comm``."""
+    """``h + drop(attn(norm1(h)))``, then ``+ drop(mlp(norm2(.)))``; heads and MLP width
+    over ``comm``. Block ``index``'s dropouts are keyed ``3 index + 1..3`` (attention
+    probabilities, the two residual branches; the embeddings' is 0): by the global layer,
+    so a mask does not depend on the layout."""
 
     def __init__(self, a: Arch, *, comm: Communicator, seed: int | None, dtype: DType,
-                 device: Device | str) -> None:
+                 device: Device | str, index: int, rng: DropoutRNG) -> None:
         kw: dict[str, Any] = dict(device=device, dtype=dtype)
 
         def src(k: int) -> dict[str, Any]:
@@ -138,14 +159,39 @@ class Block(Module):
         self.norm1 = norm(a.hidden, **kw)
         self.attn = ParallelAttention(a.hidden, a.heads, comm=comm, kv_heads=a.kv_heads,
                                       head_dim=a.head_dim, bias=a.bias,
-                                      rope_base=a.rope_theta, **src(0), **kw)
+                                      rope_base=a.rope_theta, dropout=a.attn_dropout,
+                                      rng=rng, layer=3 * index + 1, **src(0), **kw)
         self.norm2 = norm(a.hidden, **kw)
         self.mlp = ParallelMLP(a.hidden, a.ffn, comm=comm, bias=a.bias, gated=a.gated,
                                activation=ACTIVATIONS[a.activation], **src(1), **kw)
+        self.drop1, self.drop2 = (Dropout(a.resid_dropout, rng=rng, layer=3 * index + k)
+                                  for k in (2, 3))
 
     def forward(self, h: Tensor, *, cache: Any = None) -> Tensor:
-        h = h + self.attn(self.norm1(h), cache=cache)
-        return h + self.mlp(self.norm2(h))
+        if cache is not None:  # generating: no dropout
+            h = h + self.attn(self.norm1(h), cache=cache)
+            return h + self.mlp(self.norm2(h))
+        h = h + self.drop1(self.attn(self.norm1(h)))
+        return h + self.drop2(self.mlp(self.norm2(h)))
+
+
+class Chunk(Module):
+    """Virtual stage ``v`` of a :class:`Decoder` whose rank holds several (an interleaved
+    pipeline): its blocks, and the embeddings when it is the first, the final norm and
+    head when it is the last; the modules are the decoder's own."""
+
+    def __init__(self, model: Decoder, v: int) -> None:
+        self.v, self._run = v, model.run  # a method, not the module: its parameters
+        lo, hi = model.ranges[v]           # are not all this chunk's
+        self.blocks = {str(i): model.blocks[str(i)] for i in range(lo, hi)}
+        self.first, self.last = v == 0, v == len(model.ranges) - 1
+        for name in (("embed", "pos", "drop") if self.first else ()) + \
+                ("norm", "head") * self.last:
+            if hasattr(model, name):
+                setattr(self, name, getattr(model, name))
+
+    def forward(self, x: Any) -> Tensor:
+        return self._run(x, first=self.first, last=self.last, blocks=self.blocks)
 
 
 class Decoder(Module):
@@ -156,23 +202,32 @@ class Decoder(Module):
     config_class: Any = None
 
     def __init__(self, config: Any, *, comm: Any = None, mesh: Any = None,
-                 dtype: DType | str | Any = "float32", device: Device | str | None = None,
-                 seed: int | None = None) -> None:
+                 chunks: int = 1, dtype: DType | str | Any = "float32",
+                 device: Device | str | None = None, seed: int | None = None) -> None:
         if not isinstance(config, self.config_class):
             raise ConfigError(f"{type(self).__name__}: config must be a "
                               f"{self.config_class.__name__}, got {type(config).__name__}")
         a = config.arch
         tpc, ppc, group, dp_coord = _comms(comm, mesh, device)
-        check_layout(type(self).__name__, a, tpc.size, ppc.size)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ConfigError(f"{type(self).__name__}: chunks={chunks!r} must be an int >= 1 "
+                              "(model chunks per pipeline rank)")
+        check_layout(type(self).__name__, a, tpc.size, ppc.size * chunks)
         self.config, self.arch = config, a
         self._decode: Any = None  # the compiled decode step, made at the first
         self._store: Any = None
+        self._ends: Communicator | None = None  # see param_grads
         self.comm, self.pp_comm, self.group, self.dp_coord = tpc, ppc, group, dp_coord
         self.dtype = as_dtype(dtype)
         dev = tpc.device if device is None else device
         self.stage, n = ppc.rank, ppc.size
+        self.chunks = chunks
+        # virtual stage j * pp + stage is this rank's chunk j (the interleaved schedules')
+        self.ranges = stage_layers(a.layers, n * chunks)
+        self.virtual = [j * n + self.stage for j in range(chunks)]
         self.first, self.last = self.stage == 0, self.stage == n - 1
-        self.layer_range = stage_layers(a.layers, n)[self.stage]
+        self.layer_range = self.ranges[self.stage] if chunks == 1 else None
+        self.rng = DropoutRNG()  # every dropout mask's key (see Block)
         kw: dict[str, Any] = dict(device=dev, dtype=self.dtype)
 
         def src(*k: int) -> dict[str, Any]:
@@ -182,8 +237,11 @@ class Decoder(Module):
             self.embed = VocabParallelEmbedding(a.vocab, a.hidden, comm=tpc, **src(0), **kw)
         if self.first and a.rope_theta is None:
             self.pos = Embedding(a.max_positions, a.hidden, **src(1), **kw)
+        if self.first:
+            self.drop = Dropout(a.embed_dropout, rng=self.rng, layer=0)
+        mine = [i for v in self.virtual for i in range(*self.ranges[v])]
         self.blocks = {str(i): Block(a, comm=tpc, seed=None if seed is None else seed + 1 + i,
-                                     **kw) for i in range(*self.layer_range)}
+                                     index=i, rng=self.rng, **kw) for i in mine}
         if self.last:
             self.norm = (LayerNorm(a.hidden, eps=a.eps, **kw) if a.norm == "layer" else
                          RMSNorm(a.hidden, eps=a.eps, **kw))
@@ -197,17 +255,30 @@ class Decoder(Module):
     # ---- forward --------------------------------------------------------------------
     @property
     def stages(self) -> list[Module]:
-        """This rank's pipeline stages (one), for a PipelineExecutor."""
-        return [self]
+        """This rank's pipeline stages, one per chunk, for a PipelineExecutor: the model
+        itself with one chunk, else a :class:`Chunk` per virtual stage it holds."""
+        return [self] if self.chunks == 1 else [Chunk(self, v) for v in self.virtual]
 
     def forward(self, x: Any, *, kv: PagedStep | None = None, last_token: bool = False
                 ) -> Tensor:
         """The stage's forward: ids ``(batch, seq)`` (an int array or Tensor) on the first
         stage, hidden states ``(batch, seq, hidden)`` on the others; the last returns the
         logits ``(batch, seq, vocab)`` (``last_token``: at the last position only,
-        ``(batch, 1, vocab)``). ``kv``: keys and values through a paged store."""
+        ``(batch, 1, vocab)``). ``kv``: keys and values through a paged store. A rank of
+        several chunks runs each (:attr:`stages`), not this."""
+        if self.chunks > 1:
+            raise ConfigError(f"{type(self).__name__}: this rank holds {self.chunks} model "
+                              "chunks (virtual stages); run each of model.stages, as a "
+                              "PipelineExecutor does")
+        return self.run(x, first=self.first, last=self.last, blocks=self.blocks, kv=kv,
+                        last_token=last_token)
+
+    def run(self, x: Any, *, first: bool, last: bool, blocks: dict[str, Block],
+            kv: PagedStep | None = None, last_token: bool = False) -> Tensor:
+        """The forward of ``blocks``, after the embeddings when ``first`` and into the
+        head when ``last`` (see :meth:`forward`)."""
         h = x
-        if self.first:
+        if first:
             ids = x if isinstance(x, Tensor) else tensor(np.asarray(x, dtype=np.int64),
                                                          device=self.comm.device)
             t = ids.shape[1]
@@ -215,13 +286,47 @@ class Decoder(Module):
             if self.arch.rope_theta is None:
                 h = h + self.pos(tensor(np.arange(t), device=ids.device) if kv is None else
                                  kv.index["positions"])
-        for key, block in self.blocks.items():
+            if kv is None:
+                h = self.drop(h)
+        for key, block in blocks.items():
             h = block(h, cache=None if kv is None else kv.view(int(key)))
-        if self.last:
+        if last:
             if last_token:
                 h = h[:, h.shape[1] - 1:]
             h = self.head(self.norm(h))
         return h
+
+    def param_grads(self, per_chunk: list[list[Tensor]]) -> list[Tensor]:
+        """The gradient of each of :meth:`parameters`, from a pipeline's gradients of each
+        of :attr:`stages`' parameters: a parameter two chunks of this rank use (a tied
+        table, first and last on one rank) gets the sum, and a table tied across the first
+        and last pipeline stages the sum over those two (each holds a copy, which stay
+        equal). Collective over the pipeline group (every stage calls it, every step)."""
+        params, grads, at = [], [], {}
+        for st, gs in zip(self.stages, per_chunk):
+            mine = st.parameters()
+            if len(gs) != len(mine):
+                raise ConfigError(f"{type(self).__name__}.param_grads: {len(gs)} gradients "
+                                  f"for a chunk of {len(mine)} parameters; give the "
+                                  "executor's result.grads")
+            for p, g in zip(mine, gs):
+                k = at.get(id(p))
+                if k is None:
+                    at[id(p)] = len(params)
+                    params.append(p)
+                    grads.append(g)
+                else:
+                    grads[k] = grads[k] + g
+        n = self.pp_comm.size
+        if self.arch.tie and n > 1:
+            if self._ends is None:  # the first and last stages, made by every stage once
+                self._ends = self.pp_comm.split(0 if self.first or self.last else 1,
+                                                self.pp_comm.rank)
+            if self.first or self.last:
+                k = at[id(self.embed.weight)]
+                grads[k] = self._ends.all_reduce(grads[k])
+        order = {id(p): i for i, p in enumerate(params)}
+        return [grads[order[id(p)]] for p in self.parameters()]
 
     # ---- generation (the protocol of fuelspmd.models.generate) ------------------------
     def kv_layout(self) -> tuple[int, int, int, DType]:
@@ -283,8 +388,8 @@ class Decoder(Module):
         """The pipeline stage that holds parameter ``name``."""
         if name.startswith("blocks."):
             i = int(name.split(".")[1])
-            ranges = stage_layers(self.arch.layers, self.pp_comm.size)
-            return next(s for s, (lo, hi) in enumerate(ranges) if lo <= i < hi)
+            v = next(v for v, (lo, hi) in enumerate(self.ranges) if lo <= i < hi)
+            return v % self.pp_comm.size
         return 0 if name.split(".")[0] in ("embed", "pos") else self.pp_comm.size - 1
 
     def load_hf(self, path: str | os.PathLike[str]) -> None:

@@ -26,11 +26,13 @@ MODELS: dict[str, type[Decoder]] = {"gpt2": GPT2, "llama": Llama}
 
 
 def from_pretrained(path: str | os.PathLike[str], *, comm: Any = None, mesh: Any = None,
-                    dtype: DType | str | Any = "float32", device: Device | str | None = None
-                    ) -> Decoder:
+                    chunks: int = 1, dtype: DType | str | Any = "float32",
+                    device: Device | str | None = None) -> Decoder:
     """The model in Hugging Face directory ``path``, this rank's shards of it: over ``comm``
-    (a TP Communicator; None: one process) or ``mesh`` (tp x pp, this rank's stage only).
-    Collective over the model's group only where a tied ``lm_head.weight`` is checked."""
+    (a TP Communicator; None: one process) or ``mesh`` (tp x pp, this rank's stage only,
+    or its ``chunks`` virtual stages). In evaluation mode, as transformers gives it
+    (``model.train()`` turns the config's dropout on). Collective over the model's group
+    only where a tied ``lm_head.weight`` is checked."""
     root = Path(path)
     cfg_path = root / "config.json"
     if not cfg_path.exists():
@@ -43,7 +45,8 @@ def from_pretrained(path: str | os.PathLike[str], *, comm: Any = None, mesh: Any
                           f"implemented; implemented: {sorted(MODELS)}: use a directory of "
                           "one of those")
     cls = MODELS[kind]
-    model = cls(cls.config_class.from_hf(d), comm=comm, mesh=mesh, dtype=dtype,
-                device=device)
+    model = cls(cls.config_class.from_hf(d), comm=comm, mesh=mesh, chunks=chunks,
+                dtype=dtype, device=device)
     model.load_hf(root)
+    model.eval()
     return model

@@ -31,7 +31,7 @@ from fuelspmd.dtypes import DType, to_numpy
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError, ShapeError
 from fuelspmd.functional import rope, rotate, softmax
-from fuelspmd.nn import Linear, Module, weight_source
+from fuelspmd.nn import Dropout, DropoutRNG, Linear, Module, weight_source
 from fuelspmd.tensor import Tensor, tensor
 
 from .layers import ColumnParallelLinear, RowParallelLinear, check_divides
@@ -83,13 +83,16 @@ class ParallelAttention(Module):
     1/sqrt(head_dim); ``rope_base`` turns on rotary position embeddings of q and k.
     ``head_dim`` defaults to hidden/heads; given, Q is ``heads * head_dim`` wide (as
     Llama configs with an explicit ``head_dim`` have it) and Wo maps that back to hidden.
+    ``dropout``: on the attention probabilities in training mode (keyed by ``rng`` and
+    ``layer``), not through a cache.
     """
 
     def __init__(self, hidden: int, heads: int, *, comm: Any, kv_heads: int | None = None,
                  bias: bool = True, causal: bool = True, scale: float | None = None,
                  rope_base: float | None = None, head_dim: int | None = None,
                  full: Sequence[Any] | None = None, seed: int | None = None,
-                 empty: bool = False,
+                 empty: bool = False, dropout: float = 0.0, rng: DropoutRNG | None = None,
+                 layer: int = 0,
                  device: Device | str | None = None, dtype: DType | str | Any = "float32"
                  ) -> None:
         weight_source("ParallelAttention", full, seed, empty)
@@ -137,6 +140,8 @@ class ParallelAttention(Module):
                               for i in (1, 2))
         self.out = RowParallelLinear(heads * d, hidden, comm=comm, input_is_parallel=True,
                                      **kw, **part(3))
+        # on the probabilities (batch, heads, q, k): each rank its heads' block of the mask
+        self.drop = Dropout(dropout, rng=rng, layer=layer, comm=comm, dim=1)
         self._masks: dict[int, Tensor] = {}
 
     @property
@@ -204,7 +209,7 @@ class ParallelAttention(Module):
                                  f"(batch, seq) = ({b}, {t}) with 1 for a real token")
             add = np.where(keep.astype(bool), 0.0, MASKED).reshape(b, 1, 1, t)
             scores = scores + tensor(add.astype(to_numpy(self.dtype)), device=q.device)
-        p = softmax(scores, -1)
+        p = self.drop(softmax(scores, -1))
         return (p @ vh).transpose(0, 2, 1, 3)
 
     def _mask(self, seq: int, device: Any) -> Tensor:

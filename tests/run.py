@@ -1,9 +1,18 @@
 """Run the whole test suite: the one-process tests, then the MPI tests at 1 to 4 ranks.
 
-    python tests/run.py              # everything (what the README and CI run)
+    python tests/run.py              # everything CI runs (what the README and CI run)
+    python tests/run.py --long       # and the long run's tests (tests/budget.py)
     python tests/run.py --no-slurm   # without the tests that need a real Slurm
     python tests/run.py --no-openmpi # without the tests that need Open MPI
+    python tests/run.py --budget 900 # a slower machine: fail above 900 s (+ the margin)
     python tests/run.py -k slurm     # other arguments go to every pytest run
+
+At the end of every run it prints each run's wall time, the total, and the ten test files
+that took longest (their tests' setup, call and teardown, added over the runs), and it
+fails when the total is over the budget (``BUDGET_S``) by more than ``MARGIN``. The long
+run (``--long``, or ``FUELSPMD_TESTS_LONG=1``) adds the full-size, many-repeat and
+full-matrix variants that CI leaves out (CI skips them, naming this command); it has no
+budget.
 
 Two parts install things outside the virtual environment, and each can be left out:
 
@@ -35,7 +44,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = (1, 2, 3, 4)
-DEADLINE_S = {"unit": 1500, "mpi": 600}
+DEADLINE_S = {"unit": 1500, "mpi": 600}  # per run; the long run gets twice these
+# The suite's budget: the wall time of all its runs on this project's kind of machine (2
+# cores). The issue's limit is 15 minutes for CI on a fresh clone, the install included
+# (about 2 minutes: CI took 1,204 s of which the runs were 1,072 s); 600 s of tests leaves
+# that limit room for the tests the open issues are adding.
+BUDGET_S = 600.0
+# A run fails when its total is over the budget by more than this fraction. These machines
+# are shared and switch between a fast and a slow state for minutes at a time
+# (/work/shared/notes/measured.md), and the same suite's total moved by about 15% from one
+# run to the next; 25% over (750 s) plus the install is still within the 15 minutes.
+MARGIN = 0.25
+SLOWEST = 10  # test files named at the end of a run
 
 
 def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tuple[int, float]:
@@ -54,21 +74,76 @@ def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tup
 
 # the runner's own options -> the environment variable the fixtures read
 SKIPS = {"--no-slurm": "FUELSPMD_TESTS_NO_SLURM", "--no-openmpi": "FUELSPMD_TESTS_NO_OPENMPI"}
+LONG = {"--long": "FUELSPMD_TESTS_LONG"}  # read by tests/budget.py
+OPTIONS = {**SKIPS, **LONG}
 
 
 def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
     """The environment the runner's own options ask for, and the arguments left for pytest."""
-    return {SKIPS[a]: "1" for a in args if a in SKIPS}, [a for a in args if a not in SKIPS]
+    return {OPTIONS[a]: "1" for a in args if a in OPTIONS}, [a for a in args if a not in OPTIONS]
+
+
+def budget_option(args: list[str]) -> tuple[float, list[str]]:
+    """The budget in seconds (``--budget S`` or ``--budget=S``, else ``BUDGET_S``), and the
+    arguments left."""
+    budget, rest, i = BUDGET_S, [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--budget" or a.startswith("--budget="):
+            value = a.partition("=")[2] if "=" in a else (args[i + 1] if i + 1 < len(args)
+                                                          else "")
+            i += 1 if "=" in a else 2
+            try:
+                budget = float(value)
+            except ValueError:
+                raise SystemExit(f"tests/run.py: --budget takes seconds, e.g. --budget 900; "
+                                 f"got {value!r}") from None
+            if not budget > 0:
+                raise SystemExit(f"tests/run.py: --budget must be positive; got {value!r}")
+            continue
+        rest.append(a)
+        i += 1
+    return budget, rest
+
+
+def report(times: list[tuple[str, float]], files: dict[str, dict[str, float]],
+           budget: float | None) -> bool:
+    """Print each run's wall time, the total and the slowest files; return whether the
+    total is within the budget and its margin (None: no budget, always within)."""
+    total = sum(t for _, t in times)
+    print("\n=== wall time per run")
+    for name, took in times:
+        print(f"  {took:7.1f} s  {name}")
+    limit = None if budget is None else budget * (1 + MARGIN)
+    within = limit is None or total <= limit
+    said = ("no budget (the long run)" if limit is None else
+            f"budget {budget:.0f} s, fails above {limit:.0f} s ({MARGIN:.0%} margin)")
+    print(f"  {total:7.1f} s  total; {said}")
+    ranked = sorted(files.items(), key=lambda kv: -sum(kv[1].values()))[:SLOWEST]
+    print(f"=== the {len(ranked)} slowest test files (setup, call and teardown, added over "
+          "the runs)")
+    for path, per_run in ranked:
+        parts = ", ".join(f"{n} {t:.1f}" for n, t in per_run.items()) if len(per_run) > 1 \
+            else next(iter(per_run))
+        print(f"  {sum(per_run.values()):7.1f} s  {path}  ({parts})")
+    if not within:
+        print(f"=== OVER BUDGET: {total:.0f} s is more than {budget:.0f} s + {MARGIN:.0%} "
+              f"({limit:.0f} s); find the tests that grew above (a slower machine: "
+              "--budget SECONDS)")
+    return within
 
 
 def main(extra: list[str]) -> int:
     skip_env, extra = split_options(extra)
+    budget, extra = budget_option(extra)
+    long_run = skip_env.get(LONG["--long"]) == "1" or os.environ.get(LONG["--long"]) == "1"
+    scale = 2 if long_run else 1
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which(
         "mpiexec")
     work = Path(tempfile.mkdtemp(prefix="fuelspmd-tests-"))
     runs: list[tuple[str, list[str], float]] = [
         ("one process", [sys.executable, "-m", "pytest", "-q", "tests", "--ignore=tests/mpi",
-                         "--durations=25", *extra], DEADLINE_S["unit"]),
+                         "--durations=25", *extra], DEADLINE_S["unit"] * scale),
     ]
     if mpiexec is None:
         print("no mpiexec found beside python or on PATH: install the project "
@@ -77,18 +152,23 @@ def main(extra: list[str]) -> int:
     for n in RANKS:
         runs.append((f"mpi x{n}", [mpiexec, "-n", str(n), sys.executable, __file__, "--rank",
                                    "-q", "--with-mpi", "-p", "no:cacheprovider", "tests/mpi",
-                                   *extra], DEADLINE_S["mpi"]))
+                                   *extra], DEADLINE_S["mpi"] * scale))
     totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     failed_runs = []
+    times: list[tuple[str, float]] = []
+    files: dict[str, dict[str, float]] = {}  # test file -> run -> seconds
     for i, (name, cmd, deadline) in enumerate(runs):
         summary = work / f"summary-{i}.json"
         logs = work / f"logs-{i}"
         env = dict(os.environ, **skip_env, FUELSPMD_SUMMARY=str(summary),
                    FUELSPMD_RANK_LOGS=str(logs))
         rc, took = _run(name, cmd, deadline, env)
+        times.append((name, took))
         counts = json.loads(summary.read_text()) if summary.exists() else {}
         for key in totals:
             totals[key] += counts.get(key, 0)
+        for path, seconds in counts.get("files", {}).items():
+            files.setdefault(path, {})[name] = seconds
         ok = rc in (0, 5)  # 5: pytest collected nothing (e.g. -k matched no MPI test)
         print(f"=== {name}: {'ok' if ok else f'FAILED (exit {rc})'} in {took:.1f} s", flush=True)
         if not ok:
@@ -98,9 +178,11 @@ def main(extra: list[str]) -> int:
     shutil.rmtree(work, ignore_errors=True)
     failed = totals["failed"] + totals["error"] + (len(failed_runs) if not (
         totals["failed"] + totals["error"]) else 0)
+    within = report(times, files, None if long_run else budget)
     print(f"\nruns failed: {', '.join(failed_runs)}" if failed_runs else "\nall runs ok")
-    print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
-    return 1 if failed_runs else 0
+    print(f"{totals['passed']} passed, {failed} failed, {totals['skipped']} skipped"
+          + ("" if within else "; over the time budget"))
+    return 1 if failed_runs or not within else 0
 
 
 def rank_main(args: list[str]) -> int:

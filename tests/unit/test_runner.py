@@ -29,6 +29,36 @@ def test_the_runner_turns_its_options_into_the_fixtures_variables() -> None:
     env, rest = _runner().split_options(["--no-slurm", "-k", "x", "--no-openmpi"])
     assert env == {"FUELSPMD_TESTS_NO_SLURM": "1", "FUELSPMD_TESTS_NO_OPENMPI": "1"}
     assert rest == ["-k", "x"]
+    env, rest = _runner().split_options(["--long", "-x"])
+    assert (env, rest) == ({"FUELSPMD_TESTS_LONG": "1"}, ["-x"])
+
+
+def test_the_budget_option_relaxes_the_budget() -> None:
+    run = _runner()
+    assert run.budget_option(["-k", "x"]) == (run.BUDGET_S, ["-k", "x"])
+    assert run.budget_option(["--budget", "900", "-x"]) == (900.0, ["-x"])
+    assert run.budget_option(["-x", "--budget=1200.5"]) == (1200.5, ["-x"])
+    for bad in (["--budget"], ["--budget", "soon"], ["--budget=-3"]):
+        with pytest.raises(SystemExit, match="--budget"):
+            run.budget_option(bad)
+
+
+def test_a_run_over_its_budget_and_margin_fails_and_names_the_slowest_files(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    run = _runner()
+    files = {f"tests/unit/test_{i}.py": {"one process": float(i)} for i in range(12)}
+    files["tests/mpi/test_x.py"] = {"mpi x1": 1.0, "mpi x2": 40.0}
+    limit = run.BUDGET_S * (1 + run.MARGIN)
+    assert run.report([("one process", limit - 50), ("mpi x1", 49)], files, run.BUDGET_S)
+    out = capsys.readouterr().out
+    assert f"{limit - 1:7.1f} s  total; budget {run.BUDGET_S:.0f} s" in out
+    slow = [line.split()[2] for line in out.split("slowest test files")[1].splitlines()[1:]]
+    assert slow == ["tests/mpi/test_x.py", *(f"tests/unit/test_{i}.py"
+                                             for i in range(11, 2, -1))], out
+    assert "(mpi x1 1.0, mpi x2 40.0)" in out
+    assert not run.report([("one process", limit + 1)], files, run.BUDGET_S)
+    assert "OVER BUDGET" in capsys.readouterr().out
+    assert run.report([("one process", limit + 1)], files, None)  # the long run: no budget
 
 
 @pytest.mark.timeout(180)

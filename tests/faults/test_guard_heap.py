@@ -3,10 +3,14 @@
 The documented example of docs/reliability.md (``plugin.world()`` + ``GuardedTransport``,
 rank 2 all-reducing float64 where the others use float32) and the whole mismatch matrix
 (every collective field and every send/recv fault, in the default and debug modes, on
-MPI's own all-reduce and the shared-memory one, small and large) run 20 times each under
-glibc's ``MALLOC_CHECK_=3`` and ``MALLOC_PERTURB_``, which turn a write into freed memory
-into an abort (SIGABRT) at the next allocation instead of a wrong number later. Every rank
-must raise ``CollectiveMismatchError`` in every case, and no job may end any other way.
+MPI's own all-reduce and the shared-memory one, small and large) run under glibc's
+``MALLOC_CHECK_=3`` and ``MALLOC_PERTURB_``, which turn a write into freed memory into an
+abort (SIGABRT) at the next allocation instead of a wrong number later. Every rank must
+raise ``CollectiveMismatchError`` in every case, and no job may end any other way.
+
+A corruption shows only in some runs, so the repeats are the test's budget: the example
+3 times and the matrix twice (one job) in CI, 20 times each (the matrix in jobs of 5
+rounds) in the long run, ``python tests/run.py --long`` (tests/budget.py).
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from budget import runs
 from jobs import clean_env, mpiexec, needs_mpiexec, run_job
 
 JOB = Path(__file__).with_name("mismatch_job.py")
-RUNS = 20
+RUNS = runs(ci=3, long=20)  # jobs of the documented example
+ROUNDS = runs(ci=2, long=20)  # rounds of the whole matrix
+PER_JOB = min(ROUNDS, 5)  # rounds in one job of the matrix
 HEAP = {"MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
 pytestmark = [needs_mpiexec, pytest.mark.timeout(600)]
 
@@ -48,17 +55,16 @@ def test_the_documented_example_raises_everywhere_and_corrupts_nothing(tmp_path:
 
 
 def test_the_mismatch_matrix_raises_everywhere_and_corrupts_nothing(tmp_path: Path) -> None:
-    per_job = 5  # RUNS rounds of the matrix, over RUNS // per_job jobs
-    for j in range(RUNS // per_job):
+    for j in range(ROUNDS // PER_JOB):
         out = tmp_path / f"job{j}"
         out.mkdir()
-        job = run_job(mpiexec(4, sys.executable, str(JOB), "matrix", str(out), str(per_job)),
+        job = run_job(mpiexec(4, sys.executable, str(JOB), "matrix", str(out), str(PER_JOB)),
                       deadline=240, env=clean_env(**HEAP))
         _no_heap_abort(job.out + job.err)
         assert job.code == 0, job.err[-3000:]
         for rank in range(4):
             lines = (out / f"rank{rank}.txt").read_text().split("\n")[:-1]
-            assert len(lines) == 96 * per_job, (rank, len(lines))
+            assert len(lines) == 96 * PER_JOB, (rank, len(lines))
             for line in lines:
                 _, got, took = line.split()
                 assert got == "CollectiveMismatchError", f"rank {rank}: {line}"

@@ -3,15 +3,18 @@
 ``mpiexec -n N python -m pytest --with-mpi -q tests/mpi/test_guard.py`` (N = 1..4). Each
 test builds a fresh GuardedTransport on a fresh split of the world, so a test that leaves
 messages unread (a mismatch stops the exchange half-way) cannot leak them into the next.
-A fault is injected after hundreds of good guarded operations; then every rank's outcome
-(error type, seconds to raise, message) is all-gathered over the world, and every rank
-asserts on all of them, so a rank that did not raise fails the test everywhere. The
+A fault is injected after a history of good guarded operations (``GOOD``: 520, the
+issue's "after 500 good operations", in the long run ``python tests/run.py --long``; 100
+in CI, twenty of each kind, for all 52 field and pair cases at each world size); then every
+rank's outcome (error type, seconds to raise, message) is all-gathered over the world, and
+every rank asserts on all of them, so a rank that did not raise fails the test everywhere. The
 all_reduces run each path the transport has: MPI's own with the buffer carried in the
 check (small), MPI's own after the check (large), and the shared-memory header.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,11 +28,14 @@ from fuelspmd.cli.trace import main as trace_main
 from fuelspmd.comm import GuardedTransport, Recorder
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from budget import runs
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
 
 TIMEOUT = 20.0       # data waits
 GUARD_TIMEOUT = 8.0  # longer than the 5 s a mismatch may take: a mismatch is not a timeout
-GOOD = 520  # the issue's "after 500 good operations", for every field and pair case
+GOOD = runs(ci=100, long=520)  # good operations before the fault, in every field and pair case
 N = 1 << 16  # float32 elements: 256 KiB, the shared-memory path where the policy is shm
 
 
@@ -316,7 +322,12 @@ def test_a_failed_rank_that_closes_passes_on_its_failure(world: Any) -> None:
                 with pytest.raises(CollectiveMismatchError):
                     g.guard.fail("rank 0 aborted: injected mismatch", tell=False)
                 g.close()
-            g.barrier().wait()
+                g.barrier().wait()
+                return
+            try:
+                g.barrier().wait()
+            finally:  # the others' byes, which rank 1's close waits for (else its timeout)
+                g.close()
 
         every = outcome(world, action)
     for rank, (kind, took, text) in enumerate(every):

@@ -197,7 +197,7 @@ class Dropout(Module):
             full[dim] = n * self.comm.size
             lo, hi = self.comm.rank * n, (self.comm.rank + 1) * n
         mask = _Mask(self.rng, self.layer, self.rng.micro, tuple(full), dim, lo, hi, self.p,
-                     to_numpy(x.dtype).str)
+                     x.dtype)
         return x * host(mask, shape=x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -217,10 +217,11 @@ class _Mask:
     lo: int
     hi: int
     p: float
-    dtype: str
+    dtype: DType
 
     def __call__(self) -> np.ndarray:
         keep = self.rng.keep(self.layer, self.full, self.p, micro=self.micro)
         index = [slice(None)] * len(self.full)
         index[self.dim] = slice(self.lo, self.hi)
-        return np.ascontiguousarray((keep[tuple(index)] / (1.0 - self.p)).astype(self.dtype))
+        scaled = keep[tuple(index)] / (1.0 - self.p)
+        return np.ascontiguousarray(scaled.astype(to_numpy(self.dtype)))

@@ -264,3 +264,15 @@ def test_load_state_dict_takes_tensors_and_casts_like_arrays() -> None:
     assert lin.weight.dtype is fs.float32 and lin.bias.dtype is fs.float32
     np.testing.assert_array_equal(lin(fs.tensor(np.ones((1, 2), np.float32))).numpy(),
                                   [[2.0, 3.0, 4.0]])
+
+
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_dropout_of_a_16_bit_activation_keeps_its_dtype_and_the_float32_mask(dt: str) -> None:
+    """Before, a bfloat16 activation raised 'No cast function available' (the mask was
+    cast to numpy's name of the dtype, which ml_dtypes' bfloat16 has not)."""
+    rng = nn.DropoutRNG(3)
+    x = np.random.default_rng(0).standard_normal((4, 6))
+    want = nn.Dropout(0.25, rng=rng, layer=2)(fs.tensor(x.astype(np.float32))).numpy()
+    got = nn.Dropout(0.25, rng=rng, layer=2)(fs.tensor(x).astype(dt))
+    assert got.dtype == fs.dtypes.dtype(dt)
+    np.testing.assert_allclose(got.numpy().astype(np.float32), want, rtol=1e-2)

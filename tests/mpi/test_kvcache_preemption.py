@@ -21,6 +21,7 @@ from fuelspmd import models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models_hf as H
+from budget import bcast_from_rank0
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 NEW, BS, SMALL = 8, 4, 6
@@ -37,12 +38,13 @@ def test_preempted_tokens_equal_transformers_at_tp_world(world: fs.World, name: 
         pytest.skip(f"the models' heads and vocabulary do not divide by {world.size}")
     from mpi4py import MPI
 
-    made = None
-    if world.rank == 0:  # rank 0 builds the reference; the others never import torch
+    def made() -> tuple[Path, list[list[int]]]:
         root = Path(tempfile.mkdtemp(prefix="fuelspmd-preempt-"))
         ref = H.build(name, root / name)
-        made = (root, [H.hf_greedy(ref, p, NEW) for p in H.prompts()])
-    root, want = MPI.COMM_WORLD.bcast(made, root=0)
+        return root, [H.hf_greedy(ref, p, NEW) for p in H.prompts()]
+
+    # rank 0 builds the reference; the others never import torch
+    root, want = bcast_from_rank0(made)
     try:
         model = models.from_pretrained(root / name, comm=world.comm, dtype="float64")
         out = models.greedy(model, H.prompts(), NEW, block_size=BS, samples=2,

@@ -25,6 +25,7 @@ from fuelspmd import models
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models_hf as H
+from budget import bcast_from_rank0
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 IDS = np.random.default_rng(0).integers(0, H.VOCAB, (2, 9))
@@ -52,13 +53,13 @@ def reference(world: fs.World, name: str) -> tuple[Path, np.ndarray, list[list[i
     ``name``, built on first use (collective: rank 0 builds, the others never import torch,
     and the result is broadcast); a world size whose tests all skip builds nothing."""
     if name not in _REFS:
-        made = None
-        if world.rank == 0:
+        def made() -> tuple[Path, np.ndarray, list[list[int]]]:
             root = Path(tempfile.mkdtemp(prefix="fuelspmd-models-"))
             ref = H.build(name, root / name)
-            made = (root / name, H.hf_logits(ref, IDS),
+            return (root / name, H.hf_logits(ref, IDS),
                     [H.hf_greedy(ref, p, NEW) for p in H.prompts()])
-        _REFS[name] = _bcast(made)
+
+        _REFS[name] = bcast_from_rank0(made)
     return _REFS[name]
 
 

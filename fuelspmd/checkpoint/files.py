@@ -1,22 +1,36 @@
-"""The files of a checkpoint: safetensors shards, the index, the commit by renames.
+"""The files of a checkpoint on the writing side: shards, notes, the commit, and what a save
+may remove.
 
-A shard is written here in the safetensors format (8-byte header length, JSON header,
-tensor bytes back to back) by hand rather than by ``safetensors.numpy.save_file``, so the
-bytes stream from the host copies without a second copy of the whole shard, the CRC-32 of
-each tensor is computed as it is written, and a test can stop the writer between any two
-steps (``hook``). bfloat16 (which numpy's safetensors reader does not know) is stored as
-its 16-bit pattern ("U16"); the index keeps the real dtype. Shards are read back with
-``safetensors.safe_open`` and ``get_slice``, which maps the file and copies only the
-slice asked for.
+A shard is written here in the safetensors format by hand rather than by
+``safetensors.numpy.save_file``, so the bytes stream from the host copies without a second
+copy of the whole shard, the CRC-32 of each tensor is computed as it is written, and a test
+can stop the writer between any two steps (``hook``).
+
+Ownership. A save removes only what this format made and can prove it made. Every
+directory a save creates holds :data:`MARKER` (the format and the checkpoint's name) from
+before any other file of ours goes in; a committed one also holds its index. Inside such
+a directory only the files named by this format (:data:`OURS`) are ever removed, the
+marker last, and then the directory only if it is empty. Beside ``path``, only
+``<name>.tmp-<nonce>`` and ``<name>.old-<nonce>`` directories that prove to be ours are
+cleared (a crashed save's leftovers), and only while this job holds ``path``'s lock.
+``keep=`` prunes only checkpoints its own run recorded: ``latest`` in the run directory
+lists the names that saves with ``keep=`` committed there, and a checkpoint saved by hand
+beside them (``best-model``) is never on it.
+
+The lock. Two jobs saving to one path would take each other's directories away; rank 0
+holds an exclusive ``flock`` on ``.<name>.lock`` beside ``path`` for the whole save (the
+kernel drops it if the process dies), so a second job's save fails at once with
+CheckpointError on every rank.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
-import shutil
-import struct
+import socket
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -24,30 +38,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
-from fuelspmd.dtypes import to_numpy
-from fuelspmd.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointIncompleteError,
-)
+from fuelspmd.errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 
-from .layout import Box, intersect, slices, volume
+from .index import DTYPES, FORMAT, check, piece_name
+from .layout import Box
+from .safetensors import header_bytes, open_inside, plain_name
 
-__all__ = ["FORMAT", "INDEX", "Hook", "Shards", "check_target", "commit", "committed", "find",
-           "fsync_dir", "latest", "prune", "read_index", "shard_name", "wait_for", "write_json",
-           "write_shard"]
+__all__ = ["INDEX", "LATEST", "MARKER", "Hook", "Lock", "check_target", "commit", "find",
+           "fsync_dir", "latest", "leftovers", "listing", "prune", "read_index", "record",
+           "remove", "shard_name", "wait_for", "write_json", "write_shard"]
 
-FORMAT, VERSION = "fuelspmd-checkpoint", 1
 INDEX = "index.json"
 LATEST = "latest"
+MARKER = "fuelspmd-checkpoint.json"
 Hook = Callable[[str], None]  # called at each named point of a save (tests stop there)
 
-_ST = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "U16",
-       "int64": "I64", "int32": "I32", "bool": "BOOL"}
-_CHUNK = 8 << 20  # bytes per write and per checksum read
-_TEMP = re.compile(r"\.tmp-\w+$")  # a save's directory before its commit
+_CHUNK = 8 << 20  # bytes per write
+_ASIDE = r"\.(old|tmp)-[0-9a-f]{12}"  # a save's directory before its commit, or the old one
+# every file name a save writes inside a checkpoint directory
+OURS = re.compile(rf"shard-\d+-of-\d+\.safetensors|done-\d+(\.tmp)?|slot-\d+|failed-\d+(-\w+)?"
+                  rf"|stopped-\d+|{INDEX}(\.tmp)?|{MARKER}(\.tmp-\d+)?")
 
 
 def _none(_: str) -> None:
@@ -68,39 +79,41 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, value: Any, hook: Hook = _none, what: str = "", *,
-               sync_dir: bool = True) -> None:
-    """Write ``value`` to ``path`` through a temporary name, fsynced, renamed into place
-    (and the rename made durable unless ``sync_dir`` is false)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        hook(f"{what} temp written")
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+               sync_dir: bool = True, temp: str = ".tmp") -> None:
+    """Write ``value`` to ``path`` through the name ``path + temp``, fsynced, renamed into
+    place (and the rename made durable unless ``sync_dir`` is false); a failure leaves
+    ``path`` as it was and no temporary file."""
+    tmp = path.with_name(path.name + temp)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f)
+            f.flush()
+            hook(f"{what} temp written")
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     hook(f"{what} renamed")
     if sync_dir:
         fsync_dir(path.parent)
 
 
-def write_shard(path: Path, tensors: Sequence[tuple[str, np.ndarray, str]],
-                hook: Hook = _none) -> dict[str, dict[str, Any]]:
-    """Write ``(name, host array, dtype name)`` tensors to ``path`` and fsync it; return
-    per name its byte range in the file and CRC-32."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
-    at, out = 0, {}
-    for name, arr, dt in tensors:
-        n = arr.nbytes
-        header[name] = {"dtype": _ST[dt], "shape": list(arr.shape), "data_offsets": [at, at + n]}
-        at += n
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    base = 8 + len(text)
+def write_shard(path: Path, tensors: Sequence[tuple[str, Box, np.ndarray, str]],
+                hook: Hook = _none, stop: Callable[[], None] = lambda: None
+                ) -> tuple[dict[str, tuple[list[int], int]], int]:
+    """Write ``(key, box, host array, dtype name)`` pieces to ``path`` and fsync it; return
+    per piece name its byte range in the file and CRC-32, and the header's CRC-32.
+    ``stop()`` is called before each piece (it raises when the save is abandoned)."""
+    entries = [(piece_name(k, b), DTYPES[dt][0], arr.shape) for k, b, arr, dt in tensors]
+    head, spans = header_bytes(entries, {"format": FORMAT})
+    out = {}
     with open(path, "wb") as f:
         hook("shard opened")
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(head)
         hook("shard header written")
-        for name, arr, _ in tensors:
+        for (name, _, _), (_, _, arr, _), (lo, hi) in zip(entries, tensors, spans):
+            stop()
             data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
             crc, half = 0, len(data) // 2
             for a, b in ((0, half), (half, len(data))):
@@ -110,37 +123,45 @@ def write_shard(path: Path, tensors: Sequence[tuple[str, np.ndarray, str]],
                     crc = zlib.crc32(piece, crc)
                 if a == 0:
                     hook(f"tensor {name} half written")
-            lo = base + header[name]["data_offsets"][0]
-            out[name] = {"offsets": [lo, lo + len(data)], "crc32": crc}
+            out[name] = ([lo, hi], crc)
         f.flush()
         hook("shard flushed")
         os.fsync(f.fileno())
     hook("shard fsynced")
-    return out
+    return out, zlib.crc32(head)
 
 
-def read_index(path: Path) -> dict[str, Any]:
-    """The index of the committed checkpoint at ``path`` (see :func:`find`)."""
+def write_marker(folder: Path, name: str, nonce: str, created: int, rank: int) -> None:
+    """Put the marker proving ``folder`` is a save of ours for ``name`` (every rank writes
+    the same bytes, each through its own temporary name)."""
+    if not (folder / MARKER).exists():
+        write_json(folder / MARKER, {"format": FORMAT, "name": name, "nonce": nonce,
+                                     "created": created}, sync_dir=False, temp=f".tmp-{rank}")
+
+
+def _read_json(path: Path, limit: int = 1 << 16) -> Any:
+    """The JSON in file ``path`` if it is one of at most ``limit`` bytes; else None."""
     try:
-        with open(path / INDEX) as f:
-            index = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointCorruptError(f"{path / INDEX}: not a readable index ({e})") from None
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointCorruptError(
-            f"{path / INDEX}: format {index.get('format')!r} version {index.get('version')!r}; "
-            f"this fuelspmd reads {FORMAT!r} version {VERSION}")
-    m = re.fullmatch(rf"{re.escape(str(index['name']))}\.tmp-(\w+)", path.name)
-    if m and m[1] == index["nonce"]:
-        raise CheckpointIncompleteError(
-            f"{path}: a checkpoint for {index['name']!r} whose save stopped before its "
-            f"commit (it is still under its temporary name); load {path.parent / index['name']} "
-            "(the last committed one) instead")
-    return index  # type: ignore[no-any-return]
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+        return None if len(raw) > limit else json.loads(raw)
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
-def committed(path: Path) -> bool:
-    return (path / INDEX).is_file()
+def _marker(folder: Path, name: str) -> dict[str, Any] | None:
+    """The marker of directory ``folder`` if it is a save of ours for ``name``."""
+    if folder.is_symlink() or not folder.is_dir():
+        return None
+    d = _read_json(folder / MARKER)
+    ok = isinstance(d, dict) and d.get("format") == FORMAT and d.get("name") == name
+    return d if ok else None  # type: ignore[return-value]
+
+
+def ours(folder: Path, name: str) -> bool:
+    """Whether directory ``folder`` proves to be a checkpoint (or a save) of ours for
+    ``name``: its marker says so."""
+    return _marker(folder, name) is not None
 
 
 def listing(path: Path) -> list[Path]:
@@ -153,22 +174,200 @@ def listing(path: Path) -> list[Path]:
         return []
 
 
-def _aside(path: Path) -> list[Path]:
-    """``path``'s siblings named ``<name>.old-*`` (moved aside) and ``.tmp-*`` (unfinished)."""
-    pat = re.compile(rf"{re.escape(path.name)}\.(old|tmp)-\w+")
-    return [p for p in listing(path.parent) if pat.fullmatch(p.name)]
+def remove(folder: Path, hook: Hook = _none, what: str = "") -> None:
+    """Delete a directory of ours: its index first (so a kill midway leaves a directory
+    that is refused as uncommitted, never a committed one missing shards), then every file
+    this format names, the marker last, then the directory if nothing else is in it."""
+    if (folder / INDEX).is_file():
+        (folder / INDEX).unlink()
+        fsync_dir(folder)
+        hook(f"{what} index removed")
+    for p in listing(folder):
+        if OURS.fullmatch(p.name) and p.name != MARKER and not p.is_dir():
+            p.unlink(missing_ok=True)
+    (folder / MARKER).unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # not empty: what is left is not ours
+        pass
+    hook(f"{what} removed")
 
 
+def check_target(path: Path) -> None:
+    """Refuse to replace ``path`` unless it is a checkpoint of ours (or an empty
+    directory): a save moves what is there aside and deletes it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_dir() and not path.is_symlink() and (ours(path, path.name)
+                                                    or not listing(path)):
+        return
+    other = (sorted(p.name for p in listing(path))
+             if path.is_dir() and not path.is_symlink() else [path.name])
+    raise CheckpointError(f"checkpoint.save: {path} exists and is not a checkpoint this "
+                          f"fuelspmd wrote (it holds {other[:4]}); a save would replace it. "
+                          "Choose another path, or remove it first")
+
+
+class Lock:
+    """``path``'s save lock (see the module docstring), held by rank 0 during a save."""
+
+    def __init__(self, path: Path, nonce: str) -> None:
+        self.file = path.with_name(f".{path.name}.lock")
+        self.nonce = nonce
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise CheckpointError naming the job that holds it."""
+        for _ in range(10):
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise CheckpointError(
+                    f"checkpoint.save: another save to {self.file.with_name(self.file.name[1:-5])}"
+                    f" is running ({holder or 'its holder'} holds {self.file}); two jobs must "
+                    "not save to one path: give each job its own") from None
+            try:  # the holder before may have removed the file between our open and lock
+                same = os.stat(self.file).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()} save "
+                              f"{self.nonce}\n".encode(), 0)
+                self.fd = fd
+                return
+            os.close(fd)
+        raise CheckpointError(f"checkpoint.save: could not take {self.file}: it keeps being "
+                              "replaced; is another job saving to this path?")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                self.file.unlink(missing_ok=True)
+            finally:
+                os.close(self.fd)
+                self.fd = None
+
+
+def commit(tmp: Path, path: Path, nonce: str, hook: Hook) -> None:
+    """Move the finished ``tmp`` (its index written) to ``path``, replacing a committed
+    checkpoint there: old -> ``<path>.old-<nonce>``, new -> path. A failure of the second
+    rename puts the old one back."""
+    old = path.with_name(f"{path.name}.old-{nonce}")
+    moved = path.exists()
+    if moved:
+        os.replace(path, old)
+        fsync_dir(path.parent)
+        hook("old moved aside")
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if moved:
+            os.replace(old, path)
+        raise
+    fsync_dir(path.parent)
+    hook("new renamed into place")
+
+
+def leftovers(path: Path, hook: Hook) -> None:
+    """Remove the directories of crashed or replaced saves to ``path`` that prove ours
+    (call while holding ``path``'s lock: no other save to it is running)."""
+    pat = re.compile(re.escape(path.name) + _ASIDE)
+    for p in sorted(listing(path.parent)):
+        if pat.fullmatch(p.name) and not p.is_symlink() and p.is_dir():
+            if ours(p, path.name):
+                remove(p, hook, "leftover")
+            else:
+                try:  # an empty one (a save killed before its marker) holds nothing
+                    p.rmdir()
+                except OSError:
+                    pass
+
+
+# ---- the run directory: ``latest`` and what keep= may prune --------------------------------
+def _journal(run: Path) -> tuple[str | None, list[str]]:
+    """(the name ``latest`` points at, the names keep= saves recorded); plain names only."""
+    d = _read_json(run / LATEST, 1 << 24)
+    if not isinstance(d, dict):
+        return None, []
+    name = d.get("latest") if plain_name(d.get("latest")) else None
+    saved = d.get("saved")
+    return name, [n for n in saved if plain_name(n)] if isinstance(saved, list) else []
+
+
+def record(path: Path, hook: Hook) -> None:
+    """Before the commit of a save with keep=: add ``path``'s name to its run's record."""
+    name, saved = _journal(path.parent)
+    if path.name not in saved:
+        write_json(path.parent / LATEST, {"latest": name, "saved": [*saved, path.name]},
+                   hook, "record")
+
+
+def prune(path: Path, keep: int, hook: Hook) -> None:
+    """After the commit: point ``latest`` at ``path``, then keep only the ``keep`` newest
+    of the checkpoints the run recorded (``path`` always one of them)."""
+    run = path.parent
+    _, saved = _journal(run)
+    write_json(run / LATEST, {"latest": path.name, "saved": saved}, hook, "latest")
+    mine = sorted((p for p in (run / n for n in saved) if p != path and _created(p) >= 0),
+                  key=_created, reverse=True)
+    gone = {p.name for p in mine[keep - 1:]}
+    for p in mine[keep - 1:]:
+        remove(p, hook, f"pruned {p.name}")
+    if gone:
+        write_json(run / LATEST, {"latest": path.name,
+                                  "saved": [n for n in saved if n not in gone]}, hook, "record")
+
+
+def _created(path: Path, name: str | None = None) -> int:
+    """When the committed checkpoint of ours for ``name`` (``path``'s own name by default)
+    at ``path`` was saved (ns, from its marker); -1 if there is none."""
+    d = _marker(path, path.name if name is None else name)
+    c = None if d is None or not (path / INDEX).is_file() else d.get("created")
+    return c if isinstance(c, int) and not isinstance(c, bool) and c >= 0 else -1
+
+
+def latest(run: Path) -> Path | None:
+    """The newest committed checkpoint of run directory ``run``: the newest of the one
+    ``latest`` names and those the run recorded; without that file, the newest of ours
+    in ``run``; None if there is none. A name counts while a replacement is between its
+    two renames (a load of it finds the old one)."""
+    name, saved = _journal(run)
+    names = ([name] if name else []) + saved
+    if not names:
+        names = [p.name for p in listing(run) if not re.search(_ASIDE + "$", p.name)]
+    found = {n: _resolved(run / n) for n in dict.fromkeys(names)}
+    best = max(found, key=lambda n: found[n], default=None)
+    return None if best is None or found[best] < 0 else run / best
+
+
+def _resolved(path: Path) -> int:
+    """When the checkpoint a load of ``path`` finds was saved (ns); -1 if it finds none."""
+    try:
+        where = find(path)
+    except CheckpointIncompleteError:
+        return -1
+    return _created(where, path.name)
+
+
+# ---- finding and reading what is committed -----------------------------------------------
 def find(path: Path) -> Path:
     """The committed checkpoint that ``path`` names: ``path`` itself, or, after a crash
     between the two renames of a replacement, the previous one moved aside; otherwise
     CheckpointIncompleteError naming what is there."""
-    if committed(path):
+    if (path / INDEX).is_file():
         return path
-    old = [p for p in _aside(path) if ".old-" in p.name and _created(p) >= 0]
+    pat = re.compile(re.escape(path.name) + r"\.old-[0-9a-f]{12}")
+    old = [p for p in listing(path.parent) if pat.fullmatch(p.name)
+           and _created(p, path.name) >= 0]
     if old:
-        return max(old, key=_created)
-    found = sorted(p.name for p in _aside(path))
+        return max(old, key=lambda p: _created(p, path.name))
+    aside = re.compile(re.escape(path.name) + _ASIDE)
+    found = sorted(p.name for p in listing(path.parent) if aside.fullmatch(p.name))
     there = sorted(q.name for q in listing(path))
     what = (f"{path} has no {INDEX}: its save never committed (files there: {there[:6]})"
             if there or path.is_dir() else f"no checkpoint at {path}")
@@ -177,85 +376,27 @@ def find(path: Path) -> Path:
         + ". Load the last committed checkpoint (checkpoint.latest(run_dir) finds it)")
 
 
-def _created(path: Path) -> int:
-    """When the checkpoint at ``path`` was saved (ns); -1 if it is none of ours."""
+def read_index(path: Path) -> dict[str, Any]:
+    """The checked index of the committed checkpoint at ``path`` (see :mod:`.index`)."""
+    fd = open_inside(path, INDEX, "the checkpoint")
     try:
-        with open(path / INDEX) as f:
-            index = json.load(f)
-        return int(index["created"]) if index.get("format") == FORMAT else -1
-    except (OSError, ValueError, KeyError, AttributeError):
-        return -1
-
-
-def _checkpoints(run: Path) -> list[Path]:
-    """The committed checkpoints of ours directly in ``run``, newest first."""
-    found = [p for p in listing(run) if not _TEMP.search(p.name) and _created(p) >= 0]
-    return sorted(found, key=_created, reverse=True)
-
-
-def _remove(path: Path, hook: Hook, what: str) -> None:
-    """Delete a checkpoint directory, its index first, so a kill midway leaves a directory
-    that is refused as uncommitted rather than one whose index names deleted shards."""
-    if (path / INDEX).exists():
-        (path / INDEX).unlink()
-        fsync_dir(path)
-        hook(f"{what} index removed")
-    shutil.rmtree(path, ignore_errors=True)
-    hook(f"{what} removed")
-
-
-_OURS = re.compile(rf"shard-\d+-of-\d+\.safetensors|done-\d+(\.tmp)?|{INDEX}(\.tmp)?")
-
-
-def check_target(path: Path) -> None:
-    """Refuse to replace ``path`` unless it is a checkpoint (or what is left of one): a
-    save moves what is there aside and deletes it."""
-    if not path.exists() or _created(path) >= 0:
-        return
-    other = ([n for n in sorted(p.name for p in listing(path)) if not _OURS.fullmatch(n)]
-             if path.is_dir() else [path.name])
-    if other:
-        raise CheckpointError(f"checkpoint.save: {path} exists and is not a checkpoint (it "
-                              f"holds {other[:4]}); a save would replace it. Choose another "
-                              "path, or remove it first")
-
-
-def commit(tmp: Path, path: Path, nonce: str, hook: Hook) -> None:
-    """Move the finished ``tmp`` (its index written) to ``path``, replacing a committed
-    checkpoint there: old -> ``<path>.old-<nonce>``, new -> path, then delete the old one
-    and leftovers of earlier crashed saves."""
-    if path.exists():
-        os.replace(path, path.with_name(f"{path.name}.old-{nonce}"))
-        fsync_dir(path.parent)
-        hook("old moved aside")
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    hook("new renamed into place")
-    for p in sorted(_aside(path)):
-        _remove(p, hook, "leftover")
-
-
-def prune(path: Path, keep: int, hook: Hook) -> None:
-    """Point the run directory's ``latest`` at ``path``, then keep only the ``keep``
-    newest committed checkpoints there (``path`` always one of them)."""
-    run = path.parent
-    write_json(run / LATEST, {"latest": path.name}, hook, "latest")
-    for p in [p for p in _checkpoints(run) if p != path][keep - 1:]:
-        _remove(p, hook, f"pruned {p.name}")
-
-
-def latest(run: Path) -> Path | None:
-    """The newest committed checkpoint of run directory ``run``: the one ``latest`` names
-    (moved only after a commit), else the newest by commit time; None if there is none."""
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path / INDEX}: cannot be read ({e})") from None
     try:
-        with open(run / LATEST) as f:
-            name = json.load(f)["latest"]
-        if _created(run / name) >= 0:
-            return run / name
-    except (OSError, ValueError, KeyError):
-        pass
-    found = _checkpoints(run)
-    return found[0] if found else None
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"{path / INDEX}: not a readable index "
+                                     f"({str(e)[:80]})") from None
+    index = check(parsed, path / INDEX)
+    m = re.fullmatch(rf"{re.escape(index['name'])}\.tmp-(\w+)", path.name)
+    if m and m[1] == index["nonce"]:
+        raise CheckpointIncompleteError(
+            f"{path}: a checkpoint for {index['name']!r} whose save stopped before its "
+            f"commit (it is still under its temporary name); load {path.parent / index['name']} "
+            "(the last committed one) instead")
+    return index
 
 
 def wait_for(what: str, ready: Callable[[], bool], deadline: float) -> None:
@@ -270,72 +411,9 @@ def wait_for(what: str, ready: Callable[[], bool], deadline: float) -> None:
         pause = min(pause * 2, 0.05)
 
 
-class Shards:
-    """Reads boxes of a committed checkpoint's tensors, each saved tensor's checksum
-    verified (streamed in chunks) before the first of its values is used."""
+def errno_name(e: BaseException) -> str:
+    """A short word for why a write failed: ENOSPC, EIO, ... or the exception's class."""
+    if isinstance(e, OSError) and e.errno in errno.errorcode:
+        return errno.errorcode[e.errno]
+    return type(e).__name__
 
-    def __init__(self, path: Path, index: dict[str, Any]) -> None:
-        self.path, self.index = path, index
-        self._open: dict[str, Any] = {}
-        self._checked: set[tuple[str, str]] = set()
-
-    def close(self) -> None:
-        for f in self._open.values():
-            f.__exit__(None, None, None)
-        self._open.clear()
-
-    def _file(self, name: str) -> Any:
-        if name not in self._open:
-            p = self.path / name
-            if not p.is_file():
-                raise CheckpointIncompleteError(f"{self.path}: shard file {name} is missing "
-                                                "(the index names it); restore it or load "
-                                                "another checkpoint")
-            want = self.index["files"][name]
-            if p.stat().st_size != want:
-                raise CheckpointCorruptError(f"{p}: {p.stat().st_size} bytes, the index "
-                                             f"says {want} (truncated or overwritten)")
-            try:
-                self._open[name] = safe_open(str(p), framework="numpy").__enter__()
-            except Exception as e:  # the reader's own error type is not exported
-                raise CheckpointCorruptError(f"{p}: not a readable safetensors file "
-                                             f"({e})") from None
-        return self._open[name]
-
-    def _verify(self, piece: dict[str, Any]) -> None:
-        name, tensor = piece["file"], piece["name"]
-        if (name, tensor) in self._checked:
-            return
-        lo, hi = piece["offsets"]
-        crc = 0
-        with open(self.path / name, "rb") as f:
-            f.seek(lo)
-            for at in range(lo, hi, _CHUNK):
-                crc = zlib.crc32(f.read(min(_CHUNK, hi - at)), crc)
-        if crc != piece["crc32"]:
-            raise CheckpointCorruptError(
-                f"{self.path / name}: tensor {tensor!r} has CRC-32 {crc:#010x}, the index "
-                f"says {piece['crc32']:#010x}: the shard is corrupt; load another checkpoint")
-        self._checked.add((name, tensor))
-
-    def read(self, key: str, box: Box) -> np.ndarray:
-        """The values of ``box`` of tensor ``key``, from every saved piece meeting it."""
-        meta = self.index["tensors"][key]
-        dt = to_numpy(meta["dtype"])
-        out = np.empty(tuple(b - a for a, b in box), dt)
-        got = 0
-        for piece in meta["pieces"]:
-            pbox: Box = tuple((int(a), int(b)) for a, b in piece["box"])
-            part = intersect(pbox, box)
-            if part is None:
-                continue
-            f = self._file(piece["file"])
-            self._verify(piece)
-            values = f.get_slice(piece["name"])[slices(part, pbox)]
-            out[slices(part, box)] = np.asarray(values).view(dt)
-            got += volume(part)
-        if got != out.size:
-            raise CheckpointIncompleteError(f"{self.path}: tensor {key!r}: the saved pieces "
-                                            f"hold {got} of the {out.size} elements of block "
-                                            f"{list(box)}; the index is incomplete")
-        return out

@@ -19,16 +19,17 @@ from typing import Any
 import numpy as np
 
 from fuelspmd.comm import Communicator
+from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import CheckpointMismatchError, ConfigError
 from fuelspmd.launch import current
 from fuelspmd.nn import Module, Parameter
 from fuelspmd.optim import Optimizer, ZeRO1
 from fuelspmd.tensor import Tensor, realize
 
-from .files import Shards
 from .layout import Box, Entry, block_box, flat_boxes, shift
+from .shards import Shards
 
-__all__ = ["Held", "collect", "group_of", "restore"]
+__all__ = ["Held", "Loading", "collect", "group_of"]
 
 Optimiser = Optimizer | ZeRO1
 
@@ -158,49 +159,102 @@ def group_of(state: Mapping[str, Any], mesh: Any, comm: Communicator | None
     return None
 
 
-def restore(shards: Shards, state: Mapping[str, Any]) -> None:
-    """Fill every module and optimiser of ``state`` from ``shards``, each rank reading the
-    boxes it holds; everything is checked before any parameter is assigned."""
-    index = shards.index
-    tensors = index["tensors"]
-    plan, bad, missing = [], [], []
-    for k, v in state.items():
-        if isinstance(v, Module):
-            for name, p in v.named_parameters():
-                key = f"{k}/{name}"
-                if key not in tensors:
-                    missing.append(key)
-                elif tuple(tensors[key]["shape"]) != p.full_shape:
-                    bad.append(f"{key}: saved {tuple(tensors[key]['shape'])}, here "
-                               f"{p.full_shape}")
-                else:
-                    plan.append((p, key))
-        elif isinstance(v, (Optimizer, ZeRO1)) and k not in index["steps"]:
-            missing.append(f"{k} (an optimiser)")
-    if missing or bad:
-        raise CheckpointMismatchError(
-            f"checkpoint.load({shards.path}): " + "; ".join(
-                ([f"not in the checkpoint: {missing[:6]}"] if missing else []) +
-                ([f"other full shapes: {bad[:6]}"] if bad else []))
-            + f" ({len(tensors)} tensors saved, e.g. {sorted(tensors)[:3]}); build the model "
-            "with the sizes it was saved with, under the same state keys")
-    for p, key in plan:
-        p.assign(shards.read(key, param_box(p)))
-    names = _modules(state)
-    states: dict[str, list[str]] = {}  # "<optimiser>/<parameter key>" -> its state names
-    for t in tensors:
-        owner, _, sname = t.rpartition("/")
-        states.setdefault(owner, []).append(sname)
-    for k, v in state.items():
-        if isinstance(v, (Optimizer, ZeRO1)):
-            keys = _optimiser_keys("checkpoint.load", k, v, names)
-            saved = [sorted(states.get(f"{k}/{key}", [])) for key in keys]
+class Loading:
+    """A load in two phases, so that it is all or nothing. :meth:`prepare` reads and checks
+    everything (names, full shapes, dtypes, every byte's checksum) into host memory and
+    loads the optimisers, each after a snapshot of what it held; then the ranks agree, and
+    :meth:`apply` assigns the parameters, or :meth:`rollback` restores the optimisers from
+    their snapshots (through their own ``shard_state``/``load_shard_state``), so a failure
+    anywhere leaves every rank's model and optimiser as they were."""
 
-            def read(i: int, name: str, lo: int, hi: int, k: str = k,
-                     keys: list[str] = keys, params: list[Parameter] = v.params) -> np.ndarray:
-                origin = param_box(params[i])
-                parts = [shards.read(f"{k}/{keys[i]}/{name}", shift(b, origin)).reshape(-1)
-                         for b in flat_boxes(params[i].shape, lo, hi)]
-                return np.concatenate(parts)
+    def __init__(self) -> None:
+        self.params: list[tuple[Parameter, np.ndarray]] = []
+        self._undo: list[Any] = []
 
-            v.load_shard_state(index["steps"][k], saved, read)
+    def prepare(self, shards: Shards, state: Mapping[str, Any]) -> None:
+        index = shards.index
+        tensors = index["tensors"]
+        plan, bad, missing = [], [], []
+        for k, v in state.items():
+            if isinstance(v, Module):
+                for name, p in v.named_parameters():
+                    key = f"{k}/{name}"
+                    saved = tensors.get(key)
+                    if saved is None:
+                        missing.append(key)
+                    elif tuple(saved["shape"]) != p.full_shape:
+                        bad.append(f"{key}: saved {tuple(saved['shape'])}, here {p.full_shape}")
+                    elif saved["dtype"] != p.dtype.name and not (
+                            as_dtype(saved["dtype"]).is_floating and p.dtype.is_floating):
+                        bad.append(f"{key}: saved as {saved['dtype']}, here {p.dtype}")
+                    else:
+                        plan.append((p, key))
+            elif isinstance(v, (Optimizer, ZeRO1)) and k not in index["steps"]:
+                missing.append(f"{k} (an optimiser)")
+        if missing or bad:
+            raise CheckpointMismatchError(
+                f"checkpoint.load({shards.path}): " + "; ".join(
+                    ([f"not in the checkpoint: {missing[:6]}"] if missing else []) +
+                    ([f"other full shapes or dtypes: {bad[:6]}"] if bad else []))
+                + f" ({len(tensors)} tensors saved, e.g. {sorted(tensors)[:3]}); build the "
+                "model with the sizes and dtype it was saved with, under the same state keys")
+        self.params = [(p, shards.read(key, [param_box(p)])[0]) for p, key in plan]
+        names = _modules(state)
+        states: dict[str, list[str]] = {}  # "<optimiser>/<parameter key>" -> its state names
+        for t in tensors:
+            owner, _, sname = t.rpartition("/")
+            states.setdefault(owner, []).append(sname)
+        for k, v in state.items():
+            if isinstance(v, (Optimizer, ZeRO1)):
+                keys = _optimiser_keys("checkpoint.load", k, v, names)
+                saved = [sorted(states.get(f"{k}/{key}", [])) for key in keys]
+
+                def read(i: int, name: str, lo: int, hi: int, k: str = k,
+                         keys: list[str] = keys, params: list[Parameter] = v.params,
+                         saved: list[list[str]] = saved) -> np.ndarray:
+                    key = f"{k}/{keys[i]}/{name}"
+                    if key not in tensors:
+                        raise CheckpointMismatchError(
+                            f"checkpoint.load({shards.path}): {key} is not in the checkpoint "
+                            f"(saved for it: {saved[i]}); load into the optimiser it was "
+                            "saved with")
+                    origin = param_box(params[i])
+                    parts = [v.reshape(-1) for v in shards.read(
+                        key, [shift(b, origin) for b in flat_boxes(params[i].shape, lo, hi)])]
+                    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+                self._undo.append(_snapshot(v))
+                v.load_shard_state(index["steps"][k], saved, read)
+
+    def apply(self) -> None:
+        """Assign every parameter its values (each host copy let go once assigned)."""
+        self.params.reverse()
+        while self.params:
+            p, values = self.params.pop()
+            p.assign(values)
+            del values
+
+    def rollback(self) -> None:
+        self.params = []
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+
+def _snapshot(opt: Optimiser) -> Any:
+    """A function that puts back what ``opt`` holds now (its steps and every state entry
+    of every parameter, as :meth:`shard_state` gives them) with ``load_shard_state``."""
+    steps, held = opt.steps, opt.shard_state()
+    names = [sorted(d) for d in held]
+    cache: dict[tuple[int, str], np.ndarray] = {}
+
+    def read(i: int, name: str, lo: int, hi: int) -> np.ndarray:
+        at, flat = held[i][name]
+        if (i, name) not in cache:
+            cache[i, name] = np.asarray(flat.numpy()).reshape(-1)
+        return cache[i, name][lo - at:hi - at]
+
+    def undo() -> None:
+        opt.load_shard_state(steps, names, read)
+
+    return undo

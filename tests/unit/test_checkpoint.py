@@ -248,7 +248,7 @@ def test_a_truncated_or_missing_shard_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointCorruptError, match="truncated"):
         cp.load_state(_comm(), str(path), 1)
     shard.unlink()
-    with pytest.raises(CheckpointIncompleteError, match=r"shard file .* is missing"):
+    with pytest.raises(CheckpointIncompleteError, match=r"file shard-00000.* is missing"):
         cp.load_state(_comm(), str(path), 1)
 
 
@@ -315,10 +315,12 @@ def test_a_rank_that_fails_to_write_ends_the_save_on_every_rank_at_once(
     started = time.monotonic()
     got = DeviceGroup.cpu(2).run(save)
     assert time.monotonic() - started < 60  # not the 600 s deadline
-    assert got[1] == "OSError: disk full"
-    assert re.match(r"CheckpointError: checkpoint.save: rank 1 failed to write its shard "
-                    r"\(OSError: disk full\)", got[0])
+    assert re.match(r"CheckpointError: checkpoint.save: rank 1 could not write its part of "
+                    r".*\(OSError: disk full\)", got[1])
+    assert re.match(r"CheckpointError: checkpoint.save: rank 1 failed to write \(OSError: "
+                    r"disk full\)", got[0])
     assert cp.load_state(_comm(), path, 1) == (1, 84)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # the failed save removed
 
 
 def test_a_rank_polling_while_the_commit_renames_the_directory_sees_no_error(
@@ -328,9 +330,10 @@ def test_a_rank_polling_while_the_commit_renames_the_directory_sees_no_error(
     is one with no note, never an error (a save that succeeded raised on a waiting rank)."""
     import threading
 
-    from fuelspmd.checkpoint.api import failed
+    from fuelspmd.checkpoint.saving import Save
 
-    a, b = tmp_path / "ck.tmp-1", tmp_path / "ck"
+    job = Save(tmp_path / "ck", "0" * 12, 0, 1, 2, None, time.monotonic() + 60, print)
+    a, b = job.tmp, tmp_path / "ck"
     a.mkdir()
     stop = threading.Event()
 
@@ -343,7 +346,7 @@ def test_a_rank_polling_while_the_commit_renames_the_directory_sees_no_error(
     mover.start()
     try:
         for _ in range(20000):
-            failed(a)
+            job.failures()
     finally:
         stop.set()
         mover.join()

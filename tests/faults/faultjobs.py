@@ -286,10 +286,13 @@ class Matrix:
 
 
 def wanted(request: pytest.FixtureRequest, launcher: str) -> list[Cell]:
-    """The cells of ``launcher`` among the tests this session selected."""
+    """The cells of ``launcher`` among the tests this session selected and will run (not
+    those it skips, such as the long run's cells in CI)."""
     cells = []
     for item in request.session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.get_closest_marker("skip") is not None:
+            continue
         if params.get("launcher") == launcher and "kind" in params:
             cells.append(Cell(launcher, params["kind"], params["moment"]))
     return cells

@@ -8,17 +8,24 @@ the two families choose differently (learned positions or rotary, LayerNorm or R
 GELU or SwiGLU, biases or none).
 
 A field value this code does not implement is refused by name (a ConfigError), never
-approximated: a rope_scaling, another activation, attention biases in a Llama.
+approximated: a rope_scaling, another activation, attention biases in a Llama. A
+``config.json`` is untrusted input: every field is checked for its JSON type and range
+before it is used (:data:`GPT2_FIELDS`, :data:`LLAMA_FIELDS`: an int that is not a bool,
+sizes >= 1, epsilons > 0, probabilities in [0, 1]), and a config whose sizes do not make a
+model is refused when it is made (heads x head_dim = hidden where head_dim follows from
+them, key/value heads dividing the heads, an even rotary head_dim).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from fuelspmd.errors import ConfigError
 
-__all__ = ["Arch", "GPT2Config", "LlamaConfig", "check_layout"]
+__all__ = ["GPT2_FIELDS", "LLAMA_FIELDS", "Arch", "GPT2Config", "LlamaConfig", "check_fields",
+           "check_layout"]
 
 # GPT-2 activation names -> the gelu's ``approximate`` (gelu_new is the tanh form)
 GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -51,6 +58,57 @@ class Arch:
     embed_dropout: float = 0.0
     attn_dropout: float = 0.0
     resid_dropout: float = 0.0
+
+
+# field -> its kind: "size" an int >= 1, "size?" that or null, "pos" a finite number > 0,
+# "prob" a number in [0, 1], "bool", "str", "map?" an object or null
+GPT2_FIELDS = {"vocab_size": "size", "n_embd": "size", "n_layer": "size", "n_head": "size",
+               "n_positions": "size", "n_inner": "size?", "layer_norm_epsilon": "pos",
+               "activation_function": "str", "tie_word_embeddings": "bool",
+               "embd_pdrop": "prob", "attn_pdrop": "prob", "resid_pdrop": "prob"}
+LLAMA_FIELDS = {"vocab_size": "size", "hidden_size": "size", "intermediate_size": "size",
+                "num_hidden_layers": "size", "num_attention_heads": "size",
+                "num_key_value_heads": "size?", "head_dim": "size?", "rms_norm_eps": "pos",
+                "rope_theta": "pos", "max_position_embeddings": "size",
+                "tie_word_embeddings": "bool", "attention_dropout": "prob", "hidden_act": "str",
+                "rope_parameters": "map?", "rope_scaling": "map?"}
+_KINDS = {"size": "an int >= 1", "size?": "an int >= 1 or null", "pos": "a number > 0",
+          "prob": "a number in [0, 1]", "bool": "true or false", "str": "a string",
+          "map?": "an object or null"}
+
+
+def _fits(kind: str, v: Any) -> bool:
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return {"size": lambda: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            "size?": lambda: v is None or _fits("size", v),
+            "pos": lambda: number and math.isfinite(v) and v > 0,
+            "prob": lambda: number and 0 <= v <= 1,
+            "bool": lambda: isinstance(v, bool), "str": lambda: isinstance(v, str),
+            "map?": lambda: v is None or isinstance(v, dict)}[kind]()
+
+
+def check_fields(owner: str, values: dict[str, Any], kinds: dict[str, str]) -> None:
+    """Raise one ConfigError naming every field of ``values`` that is not of its kind."""
+    bad = [f"{k}={values[k]!r} (give {_KINDS[kind]})" for k, kind in kinds.items()
+           if k in values and not _fits(kind, values[k])]
+    if bad:
+        raise ConfigError(f"{owner}: config.json has {', '.join(bad)}")
+
+
+def _heads(owner: str, hidden: int, heads: int, kv: int, head_dim: int | None,
+           rotary: bool) -> None:
+    """The attention sizes make a model: head_dim x heads = hidden where head_dim follows
+    from them, kv heads divide the heads, a rotary head_dim is even."""
+    if head_dim is None and hidden % heads:
+        ok = [h for h in range(1, hidden + 1) if hidden % h == 0][:12]
+        raise ConfigError(f"{owner}: {heads} heads do not divide the width {hidden} (heads "
+                          f"x head_dim must be the width); give a head count among {ok}")
+    if heads % kv:
+        raise ConfigError(f"{owner}: {heads} heads are not a multiple of {kv} key/value "
+                          "heads; give num_key_value_heads dividing the heads")
+    if rotary and (head_dim or hidden // heads) % 2:
+        raise ConfigError(f"{owner}: rotary positions need an even head_dim, this one is "
+                          f"{head_dim or hidden // heads}")
 
 
 def _need(d: dict[str, Any], key: str, owner: str) -> Any:
@@ -87,10 +145,16 @@ class GPT2Config:
     model_type = "gpt2"
     architecture = "GPT2LMHeadModel"
 
+    def __post_init__(self) -> None:
+        check_fields("GPT2Config", {k: getattr(self, k) for k in GPT2_FIELDS
+                                    if hasattr(self, k)}, GPT2_FIELDS)
+        _heads("GPT2Config", self.n_embd, self.n_head, self.n_head, None, False)
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> GPT2Config:
         """The config of a ``config.json`` dict; a value not implemented is a ConfigError."""
         o = "GPT2Config"
+        check_fields(o, d, GPT2_FIELDS)
         act = d.get("activation_function", "gelu_new")
         if act not in GPT2_ACTIVATIONS:
             raise _refuse(o, "activation_function", act, f"use one of {sorted(GPT2_ACTIVATIONS)}")
@@ -155,10 +219,19 @@ class LlamaConfig:
     model_type = "llama"
     architecture = "LlamaForCausalLM"
 
+    def __post_init__(self) -> None:
+        check_fields("LlamaConfig", {k: getattr(self, k) for k in LLAMA_FIELDS
+                                     if hasattr(self, k)}, LLAMA_FIELDS)
+        _heads("LlamaConfig", self.hidden_size, self.num_attention_heads,
+               self.num_key_value_heads or self.num_attention_heads, self.head_dim, True)
+
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> LlamaConfig:
         """The config of a ``config.json`` dict; a value not implemented is a ConfigError."""
         o = "LlamaConfig"
+        check_fields(o, d, LLAMA_FIELDS)
+        check_fields(f"{o} (rope_parameters)", d.get("rope_parameters") or {},
+                     {"rope_theta": "pos", "rope_type": "str"})
         if d.get("hidden_act", "silu") != "silu":
             raise _refuse(o, "hidden_act", d["hidden_act"], "Llama's MLP is SwiGLU: use 'silu'")
         if d.get("rope_scaling") is not None:

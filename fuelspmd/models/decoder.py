@@ -36,11 +36,9 @@ streams it into the file (:meth:`Decoder.save_pretrained`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +46,7 @@ import numpy as np
 from fuelspmd.backend import Device
 from fuelspmd.comm import Communicator
 from fuelspmd.compile import compile
-from fuelspmd.dtypes import DType, to_numpy
+from fuelspmd.dtypes import DType
 from fuelspmd.dtypes import dtype as as_dtype
 from fuelspmd.errors import ConfigError
 from fuelspmd.functional import gelu, silu
@@ -58,7 +56,6 @@ from fuelspmd.nn import (
     Embedding,
     LayerNorm,
     Module,
-    Parameter,
     RMSNorm,
     Spec,
 )
@@ -71,9 +68,10 @@ from fuelspmd.tensor_parallel import (
 )
 from fuelspmd.transport import SelfTransport
 
+from . import hf_files
 from .config import Arch, check_layout
 from .generate import greedy
-from .safetensors_io import SafetensorsReader, StreamingWriter, atomic_write_text
+from .safetensors_io import SafetensorsReader
 
 __all__ = ["Chunk", "Decoder", "PagedStep", "Source", "stage_layers"]
 
@@ -156,12 +154,12 @@ class Block(Module):
 
         norm = partial(LayerNorm, eps=a.eps) if a.norm == "layer" else partial(RMSNorm,
                                                                               eps=a.eps)
-        self.norm1 = norm(a.hidden, **kw)
+        self.norm1 = norm(a.hidden, empty=seed is None, **kw)
         self.attn = ParallelAttention(a.hidden, a.heads, comm=comm, kv_heads=a.kv_heads,
                                       head_dim=a.head_dim, bias=a.bias,
                                       rope_base=a.rope_theta, dropout=a.attn_dropout,
                                       rng=rng, layer=3 * index + 1, **src(0), **kw)
-        self.norm2 = norm(a.hidden, **kw)
+        self.norm2 = norm(a.hidden, empty=seed is None, **kw)
         self.mlp = ParallelMLP(a.hidden, a.ffn, comm=comm, bias=a.bias, gated=a.gated,
                                activation=ACTIVATIONS[a.activation], **src(1), **kw)
         self.drop1, self.drop2 = (Dropout(a.resid_dropout, rng=rng, layer=3 * index + k)
@@ -243,8 +241,9 @@ class Decoder(Module):
         self.blocks = {str(i): Block(a, comm=tpc, seed=None if seed is None else seed + 1 + i,
                                      index=i, rng=self.rng, **kw) for i in mine}
         if self.last:
-            self.norm = (LayerNorm(a.hidden, eps=a.eps, **kw) if a.norm == "layer" else
-                         RMSNorm(a.hidden, eps=a.eps, **kw))
+            empty = seed is None
+            self.norm = (LayerNorm(a.hidden, eps=a.eps, empty=empty, **kw) if a.norm == "layer"
+                         else RMSNorm(a.hidden, eps=a.eps, empty=empty, **kw))
             self.head = ParallelLMHead(a.hidden, a.vocab, comm=tpc, gather_output=True,
                                        tie=self.embed if a.tie else None,
                                        **({} if a.tie else src(2)), **kw)
@@ -394,84 +393,17 @@ class Decoder(Module):
 
     def load_hf(self, path: str | os.PathLike[str]) -> None:
         """Fill every parameter with this rank's block of the Hugging Face weights in
-        ``path``, reading only that block. Tied embeddings: an ``lm_head.weight`` in the
-        file must equal the embedding (checked on this rank's rows, agreed over the group)."""
-        np_dtype = to_numpy(self.dtype)
+        ``path`` (:func:`~fuelspmd.models.hf_files.load`); :func:`~fuelspmd.models.
+        from_pretrained` checks the directory against the config first."""
         with SafetensorsReader(path) as reader:
-            for name, p in self.named_parameters():
-                p.assign(self.hf_source(name).read(reader, p.spec).astype(np_dtype))
-            head = "lm_head.weight"
-            if self.arch.tie and head in reader:
-                differs = 0.0
-                if hasattr(self, "embed"):
-                    spec, emb = self.embed.weight.spec, self.hf_source("embed.weight")
-                    differs = float(not np.array_equal(Source(head).read(reader, spec),
-                                                       emb.read(reader, spec)))
-                flag = tensor(np.array([differs]), device=self.group.device)
-                if float(self.group.all_reduce(flag, "max").numpy()[0]):
-                    raise ConfigError(f"{type(self).__name__}: tie_word_embeddings is true but "
-                                      f"{head} differs from the embedding in {path}; set "
-                                      "tie_word_embeddings to false to load both")
+            hf_files.load(self, reader)
 
-    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
-        """Write ``config.json`` and ``model.safetensors`` in Hugging Face's names and
-        layouts, which transformers loads. Collective over the model's group: each
-        parameter is gathered over tp (and sent from its pipeline stage) to rank 0 one at a
-        time, and rank 0 streams it into the file; every rank returns once it is committed."""
-        root = Path(path)
-        writer = self.group.rank == 0
-        names = [(n, p.full_shape) for n, p in self._skeleton().named_parameters()]
-        tensors: dict[str, list[tuple[str, Source]]] = {}
-        for name, _ in names:
-            src = self.hf_source(name)
-            tensors.setdefault(src.name, []).append((name, src))
-        full = dict(names)
-        dt = to_numpy(self.dtype).name
-
-        def hf_shape(parts: list[tuple[str, Source]]) -> tuple[int, ...]:
-            shapes = [full[n][::-1] if s.transpose else full[n] for n, s in parts]
-            return (*shapes[0][:-1], sum(s[-1] for s in shapes))
-
-        if writer:
-            root.mkdir(parents=True, exist_ok=True)
-            cfg = self.config.to_hf()
-            cfg["dtype"] = dt
-            if "torch_dtype" in cfg:
-                cfg["torch_dtype"] = dt
-            atomic_write_text(root / "config.json", json.dumps(cfg, indent=2) + "\n")
-            entries = [(hf, hf_shape(parts), dt) for hf, parts in tensors.items()]
-            out = StreamingWriter(root / "model.safetensors", entries)
-        mine = dict(self.named_parameters())
-        try:
-            for hf, parts in tensors.items():
-                arrays = [self._gather_to_root(n, mine.get(n), full[n]) for n, _ in parts]
-                if writer:
-                    arrays = [a.T if s.transpose else a for a, (_, s) in zip(arrays, parts)]
-                    out.write(hf, np.concatenate(arrays, -1) if len(arrays) > 1 else arrays[0])
-            if writer:
-                out.close()
-        except BaseException:
-            if writer:
-                out.abort()
-            raise
-        self.group.barrier()
-
-    def _gather_to_root(self, name: str, p: Parameter | None, shape: tuple[int, ...]
-                        ) -> np.ndarray | None:
-        """Parameter ``name``'s full array on rank 0 of the group (None elsewhere): gathered
-        over tp on its stage, then broadcast over pp from that stage (its bits, a
-        collective every stage enters, so none runs ahead of rank 0)."""
-        if self.dp_coord != 0:
-            return None
-        arr = None
-        if self.stage == self._owner(name):
-            assert p is not None
-            t: Tensor = p if p.spec.replicated else self.comm.all_gather(p, axis=p.spec.dim)
-            arr = t.numpy()
-        if self.comm.rank != 0:
-            return None
-        if self.pp_comm.size > 1:
-            mine = np.empty(shape, to_numpy(self.dtype)) if arr is None else arr
-            arr = self.pp_comm.broadcast(tensor(mine, device=self.comm.device),
-                                         root=self._owner(name)).numpy()
-        return arr if self.group.rank == 0 else None
+    def save_pretrained(self, path: str | os.PathLike[str], *, masters: Any = None) -> None:
+        """Write ``config.json``, ``generation_config.json`` and ``model.safetensors`` in
+        Hugging Face's names and layouts, which transformers loads. ``masters``: the
+        optimiser training this model, whose float32 master copies of 16-bit parameters
+        are written instead (float32 files from bfloat16 training). Collective over the
+        model's group: each parameter is gathered over tp (and sent from its pipeline
+        stage) to rank 0 one at a time, and rank 0 streams it into the file (each tensor's
+        CRC-32 in its metadata); every rank returns once it is committed."""
+        hf_files.save(self, path, masters)

@@ -1,69 +1,154 @@
-"""Hugging Face weight files: read one slice of a tensor, write a file a tensor at a time.
+"""Hugging Face weight files: read one block of a tensor, write a file a tensor at a time.
 
 Reading. A directory holds ``model.safetensors`` or ``model.safetensors.index.json`` (its
-``weight_map`` names the shard file of every tensor). A slice is read with
-``safe_open(..., framework="numpy").get_slice(name)[index]``, which reads only the bytes of
-that slice. numpy has no bfloat16, so a BF16 tensor is read from its bytes instead: the
-file's header gives the tensor's byte range, a read-only ``np.memmap`` of it as uint16
-(the same 16 bits) is indexed, so again only the slice's pages are read, and the bits are
-viewed as ml_dtypes' bfloat16.
+``weight_map`` names the shard file of every tensor). Nothing in it is trusted: the index
+must be an object whose ``weight_map`` maps names to plain ``.safetensors`` file names in
+the folder, every file is opened inside the folder and its header checked against its
+size (:func:`fuelspmd.checkpoint.safetensors.read_header`: known dtypes, lengths that
+match the shapes, tensors tiling the data) when the reader is made, before a model is
+built; every tensor the index names must be in its file. Pickle files (``*.bin``,
+``*.pt``) are never read: loading one can run code. A block is read at the checked
+offsets with ``pread``, one contiguous run per row of the dimensions before the last one
+that is cut, so a rank reads only its block, every dtype (BF16 included) on the one path.
 
-Writing. The safetensors layout is an 8-byte little-endian header length, a JSON header
-(each tensor's dtype, shape and byte range; ``__metadata__`` ``{"format": "pt"}``, which
-transformers asks for) and the tensors' bytes in header order. Every shape is known before
-any data is, so the header is written first and each tensor's bytes are appended as it
-arrives: the writer holds one tensor at a time, never the model. The file is written
-under a temporary name, fsynced and renamed: a reader sees the old file or the whole new
-one.
+Checksums. A file written by :class:`StreamingWriter` carries the CRC-32 of every tensor
+in its ``__metadata__`` (``fuelspmd.crc32``, a JSON map of name to 8 hex digits, patched in
+after the data, which transformers ignores). Where it is present, a read takes the whole
+tensor, checks it and cuts the block from the same bytes; a file from elsewhere has no
+checksum, and its data bytes are taken as they are (its structure is still checked).
+
+Writing. The header is written first (every shape is known before any data), each
+tensor's bytes are appended as it arrives, so the writer holds one tensor at a time, never
+the model; then the checksums are patched into the header (same length), the file is
+fsynced and renamed into place: a reader sees the old file or the whole new one.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import struct
+import re
+import zlib
 from collections.abc import Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
 
-from fuelspmd.dtypes import bfloat16, to_numpy
-from fuelspmd.errors import ConfigError, ShapeError
+from fuelspmd.checkpoint.safetensors import (
+    NAMES,
+    Entry,
+    crc32_of,
+    header_bytes,
+    open_inside,
+    plain_name,
+    read_header,
+    read_range,
+)
+from fuelspmd.dtypes import to_numpy
+from fuelspmd.errors import CheckpointCorruptError, ConfigError, ShapeError
 
-__all__ = ["SafetensorsReader", "StreamingWriter", "atomic_write_text"]
+__all__ = ["INDEX", "SINGLE", "SafetensorsReader", "StreamingWriter", "atomic_write_text",
+           "read_json"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
-# safetensors dtype names <-> numpy dtype names (BF16 through ml_dtypes)
-_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-          "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-          "BOOL": "bool"}
-_NAMES = {v: k for k, v in _CODES.items()}
+CRC = "fuelspmd.crc32"
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_HEX = re.compile(r"[0-9a-f]{8}")
+
+
+def read_json(root: Path, name: str, what: str, limit: int = 64 << 20) -> dict[str, Any]:
+    """The JSON object in file ``name`` of ``root`` (opened inside it, at most ``limit``
+    bytes); ConfigError saying what is wrong with it otherwise."""
+    fd = open_inside(root, name, what)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise ConfigError(f"{root / name}: more than {limit} bytes; not a {what}")
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{root / name}: not JSON ({str(e)[:80]}); give the {what} a "
+                          "Hugging Face model directory has") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{root / name}: a JSON {type(d).__name__}, not an object; give the "
+                          f"{what} a Hugging Face model directory has")
+    return d
 
 
 class SafetensorsReader:
-    """The tensors of a Hugging Face directory, read by slice; see the module docstring."""
+    """The tensors of a Hugging Face directory, checked and read by block; see the module
+    docstring."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         root = Path(path)
-        if (root / INDEX).exists():
-            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            self.files = {name: root / f for name, f in weight_map.items()}
-        elif (root / SINGLE).exists():
-            self.files = {}
-            with safe_open(str(root / SINGLE), framework="numpy") as f:
-                self.files = {name: root / SINGLE for name in f.keys()}
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._crcs: dict[str, dict[str, int]] = {}
+        self.tensors: dict[str, tuple[str, Entry]] = {}  # name -> (file, entry)
+        try:
+            self._open_all(root)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_all(self, root: Path) -> None:
+        if (root / INDEX).exists() or (root / INDEX).is_symlink():
+            d = read_json(root, INDEX, "weight index")
+            weight_map = d.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConfigError(f"{root / INDEX}: 'weight_map' is {str(weight_map)[:60]!r}, "
+                                  "not a map of tensor names to file names")
+            for name, f in weight_map.items():
+                if not (plain_name(f) and str(f).endswith(".safetensors")):
+                    raise ConfigError(f"{root / INDEX}: tensor {name!r} is in {f!r}, which is no "
+                                      ".safetensors file name in the folder (a path, '..', or "
+                                      "another format); a file outside it is never read")
+            wanted = weight_map
+        elif (root / SINGLE).exists() or (root / SINGLE).is_symlink():
+            wanted = None
         else:
-            raise ConfigError(f"from_pretrained: {root} holds neither {SINGLE} nor {INDEX}; "
-                              "give a directory written by save_pretrained")
-        self._stack = ExitStack()
-        self._open: dict[Path, Any] = {}
-        self._headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+            there = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+            pickles = [n for n in there if n.endswith(PICKLES)]
+            raise ConfigError(
+                f"from_pretrained: {root} holds neither {SINGLE} nor {INDEX}"
+                + (f"; {pickles[:3]} are pickle files, which are never read (loading one "
+                   "can run code): convert them to safetensors" if pickles else
+                   "; give a directory written by save_pretrained"))
+        files = sorted(set(wanted.values())) if wanted is not None else [SINGLE]
+        headers = {}
+        for f in files:
+            self._fds[f] = open_inside(root, f, "the directory")
+            headers[f] = read_header(self._fds[f], root / f)
+            self._crcs[f] = self._checksums(root / f, headers[f].metadata, headers[f].tensors)
+        for name, f in (wanted or dict.fromkeys(headers[SINGLE].tensors, SINGLE)).items():
+            e = headers[f].tensors.get(name)
+            if e is None:
+                raise CheckpointCorruptError(f"{root / INDEX}: tensor {name!r} is in {f}, whose "
+                                             "header does not hold it: the directory is damaged")
+            self.tensors[name] = (f, e)
+
+    @staticmethod
+    def _checksums(where: Path, meta: dict[str, str], tensors: dict[str, Entry]
+                   ) -> dict[str, int]:
+        if CRC not in meta:
+            return {}
+        try:
+            d = json.loads(meta[CRC])
+        except (ValueError, RecursionError):
+            d = None
+        if not (isinstance(d, dict) and set(d) == set(tensors)
+                and all(isinstance(v, str) and _HEX.fullmatch(v) for v in d.values())):
+            raise CheckpointCorruptError(f"{where}: its {CRC} metadata is not one 8-digit hex "
+                                         "CRC-32 per tensor: the file is damaged")
+        return {k: int(v, 16) for k, v in d.items()}
 
     def __contains__(self, name: object) -> bool:
-        return name in self.files
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -72,58 +157,77 @@ class SafetensorsReader:
         self.close()
 
     def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
-    def _file(self, name: str) -> Path:
-        if name not in self.files:
+    def _get(self, name: str) -> tuple[str, Entry]:
+        if name not in self.tensors:
             raise ConfigError(f"from_pretrained: the weights have no tensor {name!r} "
-                              f"({len(self.files)} tensors found); is the directory of "
+                              f"({len(self.tensors)} tensors found); is the directory of "
                               "this model type?")
-        return self.files[name]
-
-    def _header(self, path: Path) -> tuple[int, dict[str, Any]]:
-        if path not in self._headers:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._headers[path] = (8 + n, json.loads(f.read(n)))
-        return self._headers[path]
+        return self.tensors[name]
 
     def info(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, numpy dtype name) of tensor ``name``."""
-        meta = self._header(self._file(name))[1][name]
-        return tuple(int(d) for d in meta["shape"]), _CODES[meta["dtype"]]
+        e = self._get(name)[1]
+        return e.shape, e.dtype
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """Tensor ``name``'s block ``index`` (one slice per dim) as a host array."""
-        path = self._file(name)
-        shape, dt = self.info(name)
-        if len(index) != len(shape):
-            raise ShapeError(f"from_pretrained: tensor {name!r} has shape {shape}; a "
+        """Tensor ``name``'s block ``index`` (one step-1 slice per dim) as a host array."""
+        f, e = self._get(name)
+        where = self.root / f
+        if len(index) != len(e.shape):
+            raise ShapeError(f"from_pretrained: tensor {name!r} has shape {e.shape}; a "
                              f"{len(index)}-dim slice of it was asked for; fix the "
                              "directory's config.json to describe the weights in it")
-        if dt == "bfloat16":
-            start, header = self._header(path)
-            lo, hi = header[name]["data_offsets"]
-            raw = np.memmap(path, dtype=np.uint16, mode="r", offset=start + lo, shape=shape)
-            if hi - lo != raw.nbytes:
-                raise ShapeError(f"from_pretrained: tensor {name!r} of {path.name} has "
-                                 f"{hi - lo} bytes for shape {shape}; the file is corrupt: "
-                                 "write it again (save_pretrained) or fetch it again")
-            return np.array(raw[index]).view(to_numpy(bfloat16))
-        if path not in self._open:
-            self._open[path] = self._stack.enter_context(safe_open(str(path), "numpy"))
-        return np.asarray(self._open[path].get_slice(name)[index])
+        dt = to_numpy(e.dtype)
+        fd = self._fds[f]
+        if name in self._crcs[f]:
+            raw = read_range(fd, e.lo, e.hi, where)
+            if crc32_of(raw) != self._crcs[f][name]:
+                raise CheckpointCorruptError(
+                    f"{where}: tensor {name!r} has CRC-32 {crc32_of(raw):#010x}, the file's "
+                    f"metadata says {self._crcs[f][name]:#010x}: the file is damaged; write "
+                    "it again or fetch it again")
+            return np.array(raw.view(dt).reshape(e.shape)[index])
+        return _block(fd, e, index, dt, where)
+
+
+def _block(fd: int, e: Entry, index: tuple[slice, ...], dt: np.dtype, where: Path
+           ) -> np.ndarray:
+    """Block ``index`` of the tensor at ``e``, read one contiguous run per row of the
+    dimensions before the last one that is cut."""
+    bounds = [s.indices(n)[:2] for s, n in zip(index, e.shape)]
+    shape = tuple(max(0, b - a) for a, b in bounds)
+    out = np.empty(shape, dt)
+    if out.size == 0:
+        return out
+    cut = [k for k, ((a, b), n) in enumerate(zip(bounds, e.shape)) if (a, b) != (0, n)]
+    k = cut[-1] if cut else 0
+    inner = math.prod(e.shape[k + 1:]) * dt.itemsize
+    strides = [math.prod(e.shape[j + 1:]) * dt.itemsize for j in range(len(e.shape))]
+    run = shape[k] * inner if e.shape else dt.itemsize
+    rows = out.reshape(-1, run // dt.itemsize) if e.shape else out.reshape(1, 1)
+    for r, lead in enumerate(np.ndindex(*shape[:k])):
+        at = e.lo + sum((bounds[j][0] + i) * strides[j] for j, i in enumerate(lead)) \
+            + (bounds[k][0] * strides[k] if e.shape else 0)
+        rows[r] = read_range(fd, at, at + run, where).view(dt)
+    return out
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file, fsynced, then renamed."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class StreamingWriter:
@@ -134,21 +238,22 @@ class StreamingWriter:
     def __init__(self, path: Path, entries: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        self.expect: list[tuple[str, tuple[int, ...], np.dtype]] = []
-        for name, shape, dt in entries:
-            npdt = to_numpy(dt) if dt == "bfloat16" else np.dtype(dt)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
-            header[name] = {"dtype": _NAMES[dt], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            self.expect.append((name, tuple(shape), npdt))
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.names = [name for name, _, _ in entries]
+        self.expect = [(name, tuple(shape), to_numpy(dt)) for name, shape, dt in entries]
+        self.crcs: list[int] = []
+        self._codes = [(name, NAMES[dt], shape) for name, shape, dt in entries]
+        head = self._header(["0" * 8] * len(entries))
         self.file = open(self.tmp, "wb")
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
-        self.done = 0
+        try:
+            self.file.write(head)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _header(self, crcs: list[str]) -> bytes:
+        meta = {"format": "pt", CRC: json.dumps(dict(zip(self.names, crcs)),
+                                                separators=(",", ":"))}
+        return header_bytes(self._codes, meta)[0]
 
     def __enter__(self) -> StreamingWriter:
         return self
@@ -166,18 +271,25 @@ class StreamingWriter:
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Append the next tensor (it must be the next entry, of its shape and dtype)."""
-        want, shape, dt = self.expect[self.done]
+        want, shape, dt = self.expect[len(self.crcs)]
         if name != want or tuple(array.shape) != shape:
             raise RuntimeError(f"StreamingWriter: got {name} {tuple(array.shape)}, expected "
-                               f"entry {self.done}: {want} {shape}")
-        self.file.write(np.ascontiguousarray(array, dtype=dt).tobytes())
-        self.done += 1
+                               f"entry {len(self.crcs)}: {want} {shape}")
+        data = np.ascontiguousarray(array, dtype=dt).reshape(-1).view(np.uint8)
+        self.file.write(memoryview(data))
+        self.crcs.append(zlib.crc32(memoryview(data)))
 
     def close(self) -> None:
-        if self.done != len(self.expect):
-            raise RuntimeError(f"StreamingWriter: {self.done} of {len(self.expect)} tensors "
-                               "written; the file is not committed")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
+        if len(self.crcs) != len(self.expect):
+            raise RuntimeError(f"StreamingWriter: {len(self.crcs)} of {len(self.expect)} "
+                               "tensors written; the file is not committed")
+        try:
+            self.file.seek(0)
+            self.file.write(self._header([f"{c:08x}" for c in self.crcs]))
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise

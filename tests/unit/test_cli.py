@@ -1,11 +1,14 @@
 """The ``fuelspmd`` command as a user meets it: statuses, and no traceback for a user's
 mistake, a closed pipe or a folder that does not exist.
 
-Every command runs as a real subprocess (``python -m fuelspmd``) with a deadline.
+Every command runs as a real subprocess (``python -m fuelspmd``) with a deadline; the
+``--help`` of every command runs in one (``python -m fuelspmd``'s code, by ``runpy``, once
+per command, each output and status kept apart).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,15 +41,42 @@ def test_version() -> None:
     assert (job.code, job.out) == (0, f"fuelspmd {fuelspmd.__version__}\n"), job.err
 
 
-@pytest.mark.parametrize("command", [["info"], ["plan"], ["schedule"], ["trace"],
-                                     ["bench", "calibrate"], ["bench", "guard"],
-                                     ["bench", "collectives"], ["bench", "pipeline"]])
-def test_help_is_plain_text(command: list[str]) -> None:
-    job = run_job([*FUELSPMD, *command, "--help"], deadline=60)
+HELPS = [["info"], ["plan"], ["schedule"], ["trace"], ["bench", "calibrate"], ["bench", "guard"],
+         ["bench", "collectives"], ["bench", "pipeline"]]
+# One process runs ``python -m fuelspmd COMMAND --help`` for every command of HELPS: runpy
+# runs the package's __main__ as -m does, each with its own sys.argv, stdout and stderr.
+HELP_ALL = """
+import contextlib, io, json, runpy, sys
+seen = []
+for command in json.loads(sys.argv[1]):
+    sys.argv = ["fuelspmd", *command, "--help"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("fuelspmd", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    seen.append((code, out.getvalue(), err.getvalue()))
+print(json.dumps(seen))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, tuple[int, str, str]]:
+    """Each command of HELPS (joined by spaces) -> its --help's (status, stdout, stderr)."""
+    job = run_job([sys.executable, "-c", HELP_ALL, json.dumps(HELPS)], deadline=90)
     assert job.code == 0, job.err
-    assert "usage: fuelspmd" in job.out
+    return {" ".join(c): tuple(r) for c, r in zip(HELPS, json.loads(job.out))}
+
+
+@pytest.mark.parametrize("command", HELPS)
+def test_help_is_plain_text(helps: dict[str, tuple[int, str, str]], command: list[str]) -> None:
+    code, out, err = helps[" ".join(command)]
+    assert code == 0, err
+    assert "usage: fuelspmd" in out
     for markup in ("``", ":func:", ":mod:", ":class:", ":meth:"):
-        assert markup not in job.out, f"{command}: {markup} in\n{job.out}"
+        assert markup not in out, f"{command}: {markup} in\n{out}"
 
 
 def _argv(command: list[str]) -> list[str]:

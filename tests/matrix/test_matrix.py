@@ -1,0 +1,63 @@
+"""The equivalence matrix: every combination a user can reach gives the one-process answer.
+
+Each case (``matrix_cases``: model, dtype, ``fs.compile``, tp, pp and schedule, dp mode,
+recompute, dropout, processes or devices, the layout a checkpoint is resumed on) trains
+six steps with checkpoints after steps 2, 4 and 6, then resumes the step-2 checkpoint on
+another layout and trains to the end; every loss, and every parameter, optimiser moment,
+master copy, step count and loss scale of every checkpoint (loaded in one process) is
+compared with the reference run (one process, uncompiled, the same dtype) within
+``matrix_check.TOLERANCE``, bit for bit where the arithmetic is the same.
+
+CI runs the all-pairs covering set (every pair of values of every two axes in some case);
+``python tests/run.py --matrix full`` runs every runnable case (the full product).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import matrix_check as C
+import matrix_run as R
+from matrix_cases import Case, all_pairs, full_product, uncovered
+
+pytestmark = pytest.mark.timeout(600)
+
+FULL = os.environ.get("FUELSPMD_MATRIX") == "full"
+CASES = full_product() if FULL else all_pairs()
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The reference run of a case (run once per session): its result and checkpoints."""
+    done: dict[Case, tuple[dict[str, Any], Path]] = {}
+
+    def get(case: Case) -> tuple[dict[str, Any], Path]:
+        ref = R.reference_case(case)
+        if ref not in done:
+            out = tmp_path_factory.mktemp("reference")
+            done[ref] = (R.run(ref, (1, 1, 1), out), out)
+        return done[ref]
+    return get
+
+
+def test_the_covering_set_covers_every_pair() -> None:
+    """Generated, not hand-picked: every runnable pair of axis values is in the CI set."""
+    assert uncovered(all_pairs()) == []
+    assert len(all_pairs()) < len(full_product()) // 100
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_configuration_gives_the_one_process_answer(case: Case, references: Any,
+                                                      tmp_path: Path) -> None:
+    ref, ref_dir = references(case)
+    got = C.execute(case, tmp_path)
+    errs = C.differences(case, got, ref, ref_dir)
+    bad = C.failures(case, errs)
+    assert not bad, (f"{case.name} ({case.layout()} resumed on {case.resumed_layout()}) "
+                     f"differs from one process:\n  " + "\n  ".join(bad[:20]))
+    if case.compiled:
+        assert got.first["replays"] >= R.STEPS - 3, got.first

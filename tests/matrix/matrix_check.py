@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import matrix_run as R
+import numpy as np
 from matrix_cases import Case
 
 HERE = Path(__file__).resolve().parent

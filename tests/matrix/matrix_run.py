@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matrix_cases import Case
 from threadpoolctl import threadpool_limits
 
 import fuelspmd as fs
 from fuelspmd import checkpoint, models, optim
 from fuelspmd.functional import cross_entropy
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule
-
-from matrix_cases import Case
 
 SEED = 0
 STEPS = 6
@@ -84,7 +83,7 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
     return the losses and norms of the steps run (the same on every rank)."""
     tp, pp, dp = layout
     mesh = fs.Mesh(comm, tp=tp, pp=pp, dp=dp)
-    tpc, ppc, dpc, world = mesh.comm("tp"), mesh.comm("pp"), mesh.comm("dp"), mesh.comm_group
+    ppc, dpc, world = mesh.comm("pp"), mesh.comm("dp"), mesh.comm_group
     kind = case.schedule if pp > 1 else "1f1b"
     chunks = 2 if kind == "interleaved" else 1
     model = model_class(case)(config(case), mesh=mesh, chunks=chunks, seed=SEED,

@@ -18,10 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import matrix_check as C
 import matrix_run as R
+import pytest
 from matrix_cases import Case, all_pairs, full_product, uncovered
 
 pytestmark = pytest.mark.timeout(600)

@@ -92,7 +92,7 @@ class PagedTransformer:
         return len(self.attn), kv_heads, head_dim, fs.float64
 
     def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
-             store: PagedKVStore) -> fs.Tensor:
+             store: PagedKVStore, compiled: bool = True) -> fs.Tensor:
         """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``."""
         dev = self.comm.device
         t = tokens.shape[1]

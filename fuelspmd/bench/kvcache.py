@@ -73,7 +73,7 @@ class _Model:
         return len(self.attn), kv, d, float32
 
     def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
-             store: PagedKVStore) -> Tensor:
+             store: PagedKVStore, compiled: bool = True) -> Tensor:
         """Logits ``(batch, vocab)`` after ``tokens`` ``(batch, t)`` at positions
         ``starts[i]..``; keys and values into ``store``."""
         dev, t = self.comm.device, tokens.shape[1]

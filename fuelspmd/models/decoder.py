@@ -338,9 +338,10 @@ class Decoder(Module):
         return self.arch.layers, kv, d, self.dtype
 
     def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
-             store: Any) -> Tensor:
+             store: Any, compiled: bool = True) -> Tensor:
         """Logits ``(batch, vocab)`` at the last of ``tokens`` ``(batch, t)``, the tokens
-        at positions ``starts[i]..`` of each sequence, keys and values through ``store``."""
+        at positions ``starts[i]..`` of each sequence, keys and values through ``store``;
+        a decode step (``t`` = 1) replays its compiled step unless not ``compiled``."""
         t = tokens.shape[1]
         a = self.arch
         rotary = None if a.rope_theta is None else (self.kv_layout()[2], a.rope_theta)
@@ -350,7 +351,7 @@ class Decoder(Module):
             self._decode = compile(self._paged)
         # a decode step (t = 1) repeats its shapes within a bucket: replayed; a prefill's
         # shapes rarely repeat, so it runs uncompiled (the same function)
-        run = self._decode if t == 1 else self._paged
+        run = self._decode if t == 1 and compiled else self._paged
         self._store = store  # read while tracing only: every call passes its pages
         try:
             logits, pages = run(ids, index, store.state())

@@ -27,7 +27,8 @@ a step writes its keys and values before attention reads any.
 
 The model is anything with ``comm`` (its TP communicator), ``kv_layout()`` (layers, key/
 value heads this rank stores, head_dim, dtype) and ``step(tokens, *, starts, tables,
-store)`` (the logits ``(batch, vocab)`` at the last of the new tokens): a
+store, compiled)`` (the logits ``(batch, vocab)`` at the last of the new tokens; a model
+that never compiles ignores ``compiled``): a
 :class:`~fuelspmd.models.GPT2` or :class:`~fuelspmd.models.Llama`, or a hand-written model.
 """
 
@@ -53,7 +54,7 @@ class PagedModel(Protocol):
     def kv_layout(self) -> tuple[int, int, int, DType]: ...
 
     def step(self, tokens: np.ndarray, *, starts: list[int], tables: list[list[int]],
-             store: PagedKVStore) -> Tensor: ...
+             store: PagedKVStore, compiled: bool = True) -> Tensor: ...
 
 
 @dataclass
@@ -86,11 +87,14 @@ class Generation:
 def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
            block_size: int = 16, samples: int = 1, prefix_caching: bool = True,
            check_every: int = 16, coordinate: Literal["check", "leader"] = "check",
-           num_blocks: int | None = None, max_batch_tokens: int = 512) -> Generation:
+           num_blocks: int | None = None, max_batch_tokens: int = 512,
+           compiled: bool = True) -> Generation:
     """Prefill every prompt (prefix-cached), fork its samples, then decode ``new_tokens``
     greedily, preempting and recomputing when ``num_blocks`` (default: what every sequence
     needs at once) runs short; a prefill step takes at most ``max_batch_tokens`` tokens
-    (and at least one sequence). See the module docstring. Collective over ``model.comm``."""
+    (and at least one sequence); ``compiled``: decode steps replay a compiled step
+    (``fs.compile``) or build their graph each time (the same tokens). See the module
+    docstring. Collective over ``model.comm``."""
     if new_tokens < 1 or samples < 1 or not prompts or min(map(len, prompts)) < 1:
         raise ConfigError(f"greedy: new_tokens={new_tokens}, samples={samples} and "
                           f"{len(prompts)} prompts: give at least one of each, and no "
@@ -126,7 +130,8 @@ def greedy(model: PagedModel, prompts: list[list[int]], new_tokens: int, *,
         nonlocal peak, work
         work += sum(map(len, tokens))
         logits = model.step(np.asarray(tokens), starts=starts,
-                            tables=[manager.block_table(q) for q in seqs], store=store)
+                            tables=[manager.block_table(q) for q in seqs], store=store,
+                            compiled=compiled)
         realize(logits, *store.tensors())
         peak = max(peak, manager.pool.num_in_use)
         return logits.numpy().argmax(axis=1).tolist()

@@ -124,24 +124,37 @@ def full_product() -> list[Case]:
     return [c for c in _all() if runnable(c)]
 
 
-def _pairs(c: Case) -> set[tuple[str, Any, str, Any]]:
-    d = asdict(c)
-    return {(a, d[a], b, d[b]) for a, b in itertools.combinations(AXES, 2)}
-
-
 def all_pairs() -> list[Case]:
     """The covering set: every runnable pair of values of every two axes in some case."""
-    pool = full_product()
-    want = set().union(*(_pairs(c) for c in pool))
-    chosen: list[Case] = []
-    while want:
-        best = max(pool, key=lambda c: len(_pairs(c) & want))
-        chosen.append(best)
-        want -= _pairs(best)
-    return chosen
+    return covering(full_product(), list(AXES))
 
 
 def uncovered(cases: list[Case]) -> list[tuple[str, Any, str, Any]]:
     """The pairs some runnable case has that none of ``cases`` has."""
-    have = set().union(*(_pairs(c) for c in cases)) if cases else set()
-    return sorted(set().union(*(_pairs(c) for c in full_product())) - have, key=str)
+    return missing(cases, full_product(), list(AXES))
+
+
+# ---- covering sets of any dataclass of axis values ---------------------------------------
+def _pairs(c: Any, axes: list[str]) -> set[tuple[str, Any, str, Any]]:
+    d = asdict(c)
+    return {(a, d[a], b, d[b]) for a, b in itertools.combinations(axes, 2)}
+
+
+def covering(pool: list[Any], axes: list[str]) -> list[Any]:
+    """A subset of ``pool`` holding every pair of values of two of ``axes`` that some
+    member of ``pool`` holds: greedily, the member covering the most pairs not covered
+    yet (the first such in ``pool``'s order), until none is left."""
+    want = set().union(*(_pairs(c, axes) for c in pool))
+    chosen: list[Any] = []
+    while want:
+        best = max(pool, key=lambda c: len(_pairs(c, axes) & want))
+        chosen.append(best)
+        want -= _pairs(best, axes)
+    return chosen
+
+
+def missing(cases: list[Any], pool: list[Any], axes: list[str]
+            ) -> list[tuple[str, Any, str, Any]]:
+    """The pairs a member of ``pool`` has that none of ``cases`` has."""
+    have = set().union(*(_pairs(c, axes) for c in cases)) if cases else set()
+    return sorted(set().union(*(_pairs(c, axes) for c in pool)) - have, key=str)

@@ -9,6 +9,7 @@ in one process, or per device of a DeviceGroup (tests/unit/test_checkpoint.py)::
     python tests/checkpoint_programs.py load --path P --tp 4
     python tests/checkpoint_programs.py kill --path P --tp 2 --rank 1 --at 'shard opened'
     python tests/checkpoint_programs.py train --steps 6 --tp 2 --dp 2 [--save-at 3 --path P]
+    python tests/checkpoint_programs.py loop --path RUN --tp 2 --pp 2 --pids DIR [--async]
 """
 
 from __future__ import annotations
@@ -171,6 +172,28 @@ def killer(rank: int, at: str) -> Callable[[str], None]:
     return hook
 
 
+def loop(world: Any, args: argparse.Namespace) -> None:
+    """Save versions 1, 2, ... to ``RUN/step-<v>`` (keep=2) until killed, each rank having
+    written its pid to ``DIR/<rank>``; rank 0 prints ``committed <v>`` once a save has
+    returned (``--async``: async_save, a step's worth of work, then wait)."""
+    os.makedirs(args.pids, exist_ok=True)
+    with open(os.path.join(args.pids, str(world.rank)), "w") as f:
+        f.write(str(os.getpid()))
+    mesh, net, opt = build(world.comm, args.tp, args.pp, args.zero)
+    for version in range(1, args.steps + 1):
+        fill(net, opt, version)
+        state = {"model": net, "optim": opt, "version": version}
+        where = os.path.join(args.path, f"step-{version}")
+        if args.background:
+            handle = checkpoint.async_save(where, state, mesh=mesh, keep=2)
+            fill(net, opt, version + 1)  # the next step changes the model meanwhile
+            handle.wait()
+        else:
+            checkpoint.save(where, state, mesh=mesh, keep=2)
+        if world.rank == 0:
+            print(f"committed {version}", flush=True)
+
+
 def train(world: Any, args: argparse.Namespace) -> None:
     """``args.steps`` AdamW (ZeRO-1 over dp) steps of MSE on batches from one seeded
     Generator; prints each step's loss (float.hex) on rank 0. ``--save-at k``: async save
@@ -210,7 +233,7 @@ def train(world: Any, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["save", "load", "kill", "train"])
+    p.add_argument("what", choices=["save", "load", "kill", "train", "loop"])
     p.add_argument("--path", default="")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -221,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--resume", default="")
+    p.add_argument("--pids", default="")
+    p.add_argument("--async", dest="background", action="store_true")
     args = p.parse_args(argv)
     world = fs.init(timeout=60)
     if args.what == "save":
@@ -234,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_state(world.comm, args.path, args.tp, args.pp, args.zero, 2, keep=2, _hook=hook)
         if world.rank == 0:
             print("saved without a kill", flush=True)
+    elif args.what == "loop":
+        loop(world, args)
     else:
         train(world, args)
     return 0

@@ -11,11 +11,12 @@ directory a save creates holds :data:`MARKER` (the format and the checkpoint's n
 before any other file of ours goes in; a committed one also holds its index. Inside such
 a directory only the files named by this format (:data:`OURS`) are ever removed, the
 marker last, and then the directory only if it is empty. Beside ``path``, only
-``<name>.tmp-<nonce>`` and ``<name>.old-<nonce>`` directories that prove to be ours are
-cleared (a crashed save's leftovers), and only while this job holds ``path``'s lock.
-``keep=`` prunes only checkpoints its own run recorded: ``latest`` in the run directory
-lists the names that saves with ``keep=`` committed there, and a checkpoint saved by hand
-beside them (``best-model``) is never on it.
+``<name>.tmp-<nonce>`` and ``<name>.old-<nonce>`` directories whose marker proves them
+saves of ours for ``name`` are cleared (what crashed saves left), each only while no save
+to ``name`` runs (its lock is free). ``keep=`` prunes only checkpoints its own run
+recorded: ``latest`` in the run directory lists the names that saves with ``keep=``
+committed there, and a checkpoint saved by hand beside them (``best-model``) is never on
+it.
 
 The lock. Two jobs saving to one path would take each other's directories away; rank 0
 holds an exclusive ``flock`` on ``.<name>.lock`` beside ``path`` for the whole save (the
@@ -46,8 +47,8 @@ from .layout import Box
 from .safetensors import header_bytes, open_inside, plain_name
 
 __all__ = ["INDEX", "LATEST", "MARKER", "Hook", "Lock", "check_target", "commit", "find",
-           "fsync_dir", "latest", "leftovers", "listing", "prune", "read_index", "record",
-           "remove", "shard_name", "wait_for", "write_json", "write_shard"]
+           "fsync_dir", "latest", "listing", "prune", "read_index", "record", "remove",
+           "shard_name", "tidy", "wait_for", "write_json", "write_shard"]
 
 INDEX = "index.json"
 LATEST = "latest"
@@ -235,10 +236,13 @@ class Lock:
             except FileNotFoundError:
                 same = False
             if same:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()} save "
-                              f"{self.nonce}\n".encode(), 0)
                 self.fd = fd
+                try:  # who holds it, for the message of a second job (a full disk: none)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"host {socket.gethostname()} pid {os.getpid()} save "
+                                  f"{self.nonce}\n".encode(), 0)
+                except OSError:
+                    pass
                 return
             os.close(fd)
         raise CheckpointError(f"checkpoint.save: could not take {self.file}: it keeps being "
@@ -255,37 +259,70 @@ class Lock:
 
 def commit(tmp: Path, path: Path, nonce: str, hook: Hook) -> None:
     """Move the finished ``tmp`` (its index written) to ``path``, replacing a committed
-    checkpoint there: old -> ``<path>.old-<nonce>``, new -> path. A failure of the second
-    rename puts the old one back."""
+    checkpoint there: old -> ``<path>.old-<nonce>``, new -> path. A failure before the
+    second rename puts the old one back."""
     old = path.with_name(f"{path.name}.old-{nonce}")
     moved = path.exists()
-    if moved:
-        os.replace(path, old)
-        fsync_dir(path.parent)
-        hook("old moved aside")
     try:
+        if moved:
+            os.replace(path, old)
+            fsync_dir(path.parent)
+            hook("old moved aside")
         os.replace(tmp, path)
     except BaseException:
-        if moved:
+        if moved and tmp.exists() and not path.exists():
             os.replace(old, path)
         raise
     fsync_dir(path.parent)
     hook("new renamed into place")
 
 
-def leftovers(path: Path, hook: Hook) -> None:
-    """Remove the directories of crashed or replaced saves to ``path`` that prove ours
-    (call while holding ``path``'s lock: no other save to it is running)."""
-    pat = re.compile(re.escape(path.name) + _ASIDE)
-    for p in sorted(listing(path.parent)):
-        if pat.fullmatch(p.name) and not p.is_symlink() and p.is_dir():
-            if ours(p, path.name):
-                remove(p, hook, "leftover")
-            else:
-                try:  # an empty one (a save killed before its marker) holds nothing
-                    p.rmdir()
-                except OSError:
-                    pass
+_LOCK_TEXT = re.compile(r"host \S+ pid \d+ save [0-9a-f]{12}\n")
+
+
+def tidy(folder: Path, mine: Path, hook: Hook) -> None:
+    """Remove what crashed saves left in ``folder``: the ``<name>.tmp-<nonce>`` and
+    ``<name>.old-<nonce>`` directories whose marker proves them saves of ours for
+    ``name``, and the stale locks we wrote; each only when no save to ``name`` runs (its
+    lock is free; ``mine`` is the path whose lock this save holds)."""
+    aside = re.compile(r"(.+)" + _ASIDE)
+    names: dict[str, list[Path]] = {}
+    for p in listing(folder):
+        m = aside.fullmatch(p.name)
+        if m and not p.is_symlink() and p.is_dir():
+            names.setdefault(m[1], []).append(p)
+        elif p.name.startswith(".") and p.name.endswith(".lock") and p.is_file():
+            names.setdefault(p.name[1:-5], [])
+    for name, dirs in sorted(names.items()):
+        lock = None
+        if folder / name != mine:
+            stale = folder / f".{name}.lock"
+            if stale.exists() and not _LOCK_TEXT.fullmatch(_read_text(stale)):
+                continue  # a lock file we cannot prove ours, or a save that could not say
+            lock = Lock(folder / name, "0" * 12)
+            try:
+                lock.acquire()
+            except CheckpointError:
+                continue  # a save to ``name`` is running
+        try:
+            for p in sorted(dirs):
+                if ours(p, name):
+                    remove(p, hook, "leftover")
+                else:
+                    try:  # an empty one (a save killed before its marker) holds nothing
+                        p.rmdir()
+                    except OSError:
+                        pass
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()[:200]
+    except (OSError, ValueError):
+        return ""
 
 
 # ---- the run directory: ``latest`` and what keep= may prune --------------------------------

@@ -118,7 +118,8 @@ def check(index: object, where: Path) -> dict[str, Any]:
 def _tensor(key: str, t: object, files: dict[str, Any], seen: set[tuple[str, str]],
             bad: Any) -> None:
     if not (isinstance(t, dict) and isinstance(t.get("shape"), list)
-            and all(_int(n) for n in t["shape"]) and t.get("dtype") in DTYPES
+            and all(_int(n) for n in t["shape"]) and isinstance(t.get("dtype"), str)
+            and t["dtype"] in DTYPES
             and isinstance(t.get("pieces"), list)):
         raise bad(f"tensor {key!r}: {str(t)[:80]} is not {{shape: [ints >= 0], dtype: one "
                   f"of {sorted(DTYPES)}, pieces: [...]}}")

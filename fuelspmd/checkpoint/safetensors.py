@@ -155,7 +155,7 @@ def read_header(fd: int, where: object) -> Header:
         raise _fail(where, "__metadata__ is not a map of strings")
     start, tensors = 8 + n, {}
     for name, e in header.items():
-        if not (isinstance(e, dict) and e.get("dtype") in _SIZE
+        if not (isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in _SIZE
                 and isinstance(e.get("shape"), list) and all(map(_nonneg_int, e["shape"]))
                 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
                 and all(map(_nonneg_int, e["data_offsets"]))):

@@ -249,7 +249,7 @@ class Save:
                 (self.path / f"slot-{r}").unlink(missing_ok=True)
             if self.keep is not None:
                 files.prune(self.path, self.keep, self.hook)
-            files.leftovers(self.path, self.hook)
+            files.tidy(self.path.parent, self.path, self.hook)
             self.hook("committed")
         except OSError as e:
             warnings.warn(f"checkpoint.save: {self.path} is committed, but tidying after it "

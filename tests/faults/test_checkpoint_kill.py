@@ -10,11 +10,24 @@ version 2 after it; ``checkpoint.latest(run)`` loads too; every temporary direct
 behind is refused with CheckpointIncompleteError; and a next save succeeds and clears the
 leftovers. Every job has four ranks (tp 2 x pp 2), each killed rank in turn; the jobs
 run two at a time in the first test.
+
+At random moments too (issue 40): a job saves version after version (``keep=2``, sync
+or async) and one rank, drawn at random, is SIGKILLed after a random delay; the newest
+committed checkpoint (``checkpoint.latest``) loads at tp 1 equal to what was saved, is
+at least the last version rank 0 saw committed, and the next save leaves only the run's
+two newest checkpoints. CI kills one sync and one async job; the long run
+(``python tests/run.py --long``) 12 of each.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import re
+import signal
+import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +35,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint_programs as cp
-from jobs import Job, mpiexec, needs_mpiexec, run_job
+from budget import runs
+from jobs import Job, clean_env, mpiexec, needs_mpiexec, run_job
 
 from fuelspmd import checkpoint
 from fuelspmd.comm import Communicator
@@ -111,3 +125,40 @@ def test_a_partial_checkpoint_is_refused_naming_what_is_missing(tmp_path: Path) 
         cp.load_state(_comm(), str(tmp_path / "ck"), 1)
     with pytest.raises(CheckpointIncompleteError, match="no checkpoint at"):
         cp.load_state(_comm(), str(tmp_path / "nothing"), 1)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("seed", range(runs(1, 12)))
+def test_a_kill_at_a_random_moment_loses_nothing(tmp_path: Path, mode: str, seed: int) -> None:
+    rng = random.Random(f"{mode}-{seed}")
+    rank, delay = rng.randrange(4), rng.uniform(0.0, 2.5)
+    run, pids = tmp_path / "run", tmp_path / "pids"
+    cmd = mpiexec(4, sys.executable, PROGRAM, "loop", "--path", str(run), "--tp", "2",
+                  "--pp", "2", "--steps", "100000", "--pids", str(pids),
+                  *(["--async"] if mode == "async" else []))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=clean_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.glob("*"))) < 4 or not all(p.read_text() for p in pids.iterdir()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.05)
+        time.sleep(delay)
+        os.kill(int((pids / str(rank)).read_text()), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    seen = [int(v) for v in re.findall(r"^committed (\d+)$", out, re.M)]
+    found = checkpoint.latest(run)
+    if not seen and found is None:
+        return  # killed before the first commit: nothing to lose
+    assert found is not None, (mode, rank, delay, seen)
+    version, n = cp.load_state(_comm(), str(found), 1)
+    assert n == 84 and version >= max(seen, default=1), (mode, rank, delay, seen, version)
+    cp.save_state(_comm(), str(run / "step-next"), 1, 1, False, version, keep=2)
+    assert len([p for p in run.iterdir() if p.name.startswith("step-")]) == 2
+    assert sorted(p.name for p in run.iterdir() if not p.name.startswith("step-")) == \
+        ["latest"]

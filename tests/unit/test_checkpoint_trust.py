@@ -211,8 +211,9 @@ def test_a_shard_linked_out_of_the_folder_is_never_read(tmp_path: Path) -> None:
         ix["tensors"]["model/inp.weight"]["pieces"][0]),
     lambda ix: ix["steps"].__setitem__("optim", -3),
     lambda ix: ix.__setitem__("values", None),
+    lambda ix: ix["tensors"]["model/inp.weight"].__setitem__("dtype", []),
 ], ids=["no-tensors", "files-list", "no-box", "shape-str", "piece-twice", "steps-3",
-        "values-null"])
+        "values-null", "dtype-list"])
 @pytest.mark.parametrize("sealed", [False, True])
 def test_an_index_edited_by_hand_is_refused_with_a_typed_error(tmp_path: Path, edit: Any,
                                                                 sealed: bool) -> None:

@@ -5,7 +5,7 @@ checked against that function; and a training run that saves, dies and resumes.
 Run under ``mpiexec`` (tests/mpi/test_checkpoint.py, tests/faults/test_checkpoint_kill.py),
 in one process, or per device of a DeviceGroup (tests/unit/test_checkpoint.py)::
 
-    python tests/checkpoint_programs.py save --path P --tp 2 --pp 2
+    python tests/checkpoint_programs.py save --path P --tp 2 --pp 2 [--hold FILE --version V]
     python tests/checkpoint_programs.py load --path P --tp 4
     python tests/checkpoint_programs.py kill --path P --tp 2 --rank 1 --at 'shard opened'
     python tests/checkpoint_programs.py train --steps 6 --tp 2 --dp 2 [--save-at 3 --path P]
@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -245,11 +246,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--resume", default="")
     p.add_argument("--pids", default="")
+    p.add_argument("--hold", default="")
+    p.add_argument("--version", type=int, default=1)
     p.add_argument("--async", dest="background", action="store_true")
     args = p.parse_args(argv)
     world = fs.init(timeout=60)
     if args.what == "save":
-        save_state(world.comm, args.path, args.tp, args.pp, args.zero)
+        def hold(point: str) -> None:  # --hold F: rank 0 waits for file F before its commit
+            if point == "markers seen" and world.rank == 0:
+                print("holding", flush=True)
+                give_up = time.monotonic() + 60
+                while not os.path.exists(args.hold) and time.monotonic() < give_up:
+                    time.sleep(0.02)
+
+        try:
+            save_state(world.comm, args.path, args.tp, args.pp, args.zero,
+                       args.version, _hook=hold if args.hold else None)
+        except fs.errors.FuelError as e:
+            print(f"rank {world.rank}: {type(e).__name__}: {e}", flush=True)
+            return 3
+        print(f"rank {world.rank}: saved", flush=True)
     elif args.what == "load":
         version, n = load_state(world.comm, args.path, args.tp, args.zero)
         print(f"rank {world.rank} loaded version {version}: {n} tensors equal", flush=True)

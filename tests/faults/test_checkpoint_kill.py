@@ -162,3 +162,32 @@ def test_a_kill_at_a_random_moment_loses_nothing(tmp_path: Path, mode: str, seed
     assert len([p for p in run.iterdir() if p.name.startswith("step-")]) == 2
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith("step-")) == \
         ["latest"]
+
+
+@pytest.mark.timeout(120)
+def test_a_second_job_saving_to_one_path_fails_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Two real jobs: A holds before its commit; B saves to the same path and each of its
+    ranks raises CheckpointError within seconds (before: a raw FileNotFoundError on one
+    rank while the other waited out the whole timeout); A commits."""
+    path = str(tmp_path / "ck")
+    a = subprocess.Popen(mpiexec(2, sys.executable, PROGRAM, "save", "--path", path,
+                                 "--tp", "2", "--hold", str(tmp_path / "go")),
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=clean_env(), start_new_session=True)
+    try:
+        assert a.stdout is not None and a.stdout.readline().strip() == "holding"
+        started = time.monotonic()
+        b = run_job(mpiexec(2, sys.executable, PROGRAM, "save", "--path", path, "--tp", "2",
+                            "--version", "2"), deadline=60)
+        took = time.monotonic() - started
+        (tmp_path / "go").touch()
+        out_a, _ = a.communicate(timeout=60)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+    lines = sorted(re.findall(r"^rank (\d): (\w+)", b.out, re.M))
+    assert lines == [("0", "CheckpointError"), ("1", "CheckpointError")], b.out
+    assert "another save" in b.out and took < 15, (took, b.out)
+    assert sorted(re.findall(r"^rank (\d): saved", out_a, re.M)) == ["0", "1"], out_a
+    assert cp.load_state(_comm(), path, 1) == (1, 84)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "go"]

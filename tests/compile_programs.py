@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from budget import runs
 
 import fuelspmd as fs
 from fuelspmd import optim
@@ -14,7 +15,9 @@ from fuelspmd.bench.train import SIZES, batch, gpt2, make_step
 from fuelspmd.comm import Communicator
 
 SIZE = SIZES["tiny"]
-STEPS = 20
+# Enough for the warm-up (3 steps), then cosine steps, each with its own coefficients, and
+# at least 5 replays; the long run (tests/run.py --long) steps 20 times.
+STEPS = runs(ci=8, long=20)
 
 
 def train(comm: Communicator, *, compiled: bool, steps: int = STEPS, dtype: str = "float32",

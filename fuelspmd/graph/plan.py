@@ -182,18 +182,27 @@ def _merges_rows(a: np.ndarray) -> bool:
 class Matmul(Step):
     """numpy's matmul into a buffer from the pool. A stacked ``a`` times a matrix whose
     rows merge as a view is one 2-d product (numpy's stacked matmul makes one BLAS call
-    per matrix of the stack, packing ``b`` each time)."""
+    per matrix of the stack, packing ``b`` each time). numpy has no float16 BLAS: its
+    float16 product is a loop some hundred times slower than float32's, so float16
+    operands are multiplied in float32 and the result rounded once, as torch's CPU
+    kernels accumulate half precision in float32."""
 
-    __slots__ = ("np_dtype",)
+    __slots__ = ("np_dtype", "wide")
     kind = "matmul_out"
 
     def __init__(self, out: int, ins: tuple[int, ...], instr: Instr, backend: Any) -> None:
         super().__init__(out, ins, instr, backend)
         self.np_dtype = to_numpy(instr.dtype)
+        self.wide = np.float32 if self.np_dtype == np.float16 else None
 
     def run(self, vals: list[Any], mem: Memory) -> None:
         a, b = vals[self.ins[0]], vals[self.ins[1]]
         buf = mem.alloc(self.instr.shape, self.np_dtype, self.nbytes)
+        if self.wide is not None:
+            np.copyto(buf, np.matmul(a.astype(self.wide), b.astype(self.wide)),
+                      casting="same_kind")
+            vals[self.out] = buf
+            return
         if a.ndim > 2 and b.ndim == 2 and a.size and _merges_rows(a):
             np.matmul(a.reshape(-1, a.shape[-1]), b, out=buf.reshape(-1, buf.shape[-1]))
             vals[self.out] = buf

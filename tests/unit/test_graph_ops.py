@@ -235,3 +235,15 @@ def test_shape_errors_are_raised_when_the_node_is_built() -> None:
 def test_mixing_devices_in_one_op_is_a_device_error() -> None:
     with pytest.raises(fs.DeviceError, match=r"\.to\("):
         fs.tensor(np.ones(3)) + fs.tensor(np.ones(3), device="strict:0")
+
+
+@pytest.mark.parametrize("shapes", [((6, 5), (5, 7)), ((2, 3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4))])
+def test_a_float16_matmul_is_the_float32_product_rounded_once(shapes: tuple) -> None:
+    """numpy has no float16 BLAS (its loop is some hundred times slower): the product is
+    taken in float32 and rounded to float16 once, as torch's CPU kernels accumulate."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float16) for s in shapes)
+    got = (fs.tensor(a) @ fs.tensor(b)).numpy()
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, np.matmul(a.astype(np.float32), b.astype(np.float32))
+                                  .astype(np.float16))

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,11 +118,12 @@ def _rel(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:
     return float(np.linalg.norm(a - b)) / scale if scale else float(np.linalg.norm(a))
 
 
-def differences(case: Case, got: Outcome, ref: dict[str, Any], ref_dir: Path
-                ) -> dict[str, float]:
+def differences(case: Case, got: Outcome, ref: dict[str, Any],
+                ref_state: Callable[[int], dict[str, Any]]) -> dict[str, float]:
     """Every compared value's error: ``loss k`` per step of each run, ``<checkpoint>
     <tensor>`` per saved tensor (noise tensors as a multiple of their bound), and the
-    step counts and loss scales as 0 (equal) or inf (not)."""
+    step counts and loss scales as 0 (equal) or inf (not). ``ref_state(k)``: the
+    reference's checkpoint of step ``k`` as :func:`matrix_run.saved` gives it."""
     errs: dict[str, float] = {}
     for k, (a, b) in enumerate(zip(got.first["losses"], ref["losses"])):
         errs[f"loss {k + 1}"] = abs(a - b) / abs(b)
@@ -136,14 +138,13 @@ def differences(case: Case, got: Outcome, ref: dict[str, Any], ref_dir: Path
     pairs = [(f"step-{k}", got.out / "first" / f"step-{k}") for k in R.SAVES]
     pairs.append((f"resumed step-{R.STEPS}", got.out / "resumed" / f"step-{R.STEPS}"))
     for label, path in pairs:
-        a = R.saved(case, path)
-        b = R.saved(case, ref_dir / f"step-{label.rsplit('-', 1)[1]}")
+        done = int(label.rsplit("-", 1)[1])
+        a, b = R.saved(case, path), ref_state(done)
         if a.keys() != b.keys():
             errs[f"{label} names"] = float("inf")
             continue
         errs[f"{label} steps, scaler"] = 0.0 if (a["steps"], a["scaler"]) == (
             b["steps"], b["scaler"]) else float("inf")
-        done = int(label.rsplit("-", 1)[1])
         for name in a.keys() - {"steps", "scaler"}:
             if any(n in name for n in NOISE):
                 errs[f"{label} {name} (noise)"] = float(np.abs(a[name] - b[name]).max()) / bound

@@ -27,18 +27,29 @@ pytestmark = pytest.mark.timeout(600)
 
 FULL = os.environ.get("FUELSPMD_MATRIX") == "full"
 CASES = full_product() if FULL else all_pairs()
+# "i/n": this process runs every n-th case from the i-th (tests/run.py --matrix full
+# runs the shards side by side)
+_i, _, _n = os.environ.get("FUELSPMD_MATRIX_SHARD", "0/1").partition("/")
+CASES = CASES[int(_i)::int(_n)]
 
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The reference run of a case (run once per session): its result and checkpoints."""
-    done: dict[Case, tuple[dict[str, Any], Path]] = {}
+    """The reference of a case (run once per session): its result and a function from
+    a step to its checkpoint there, loaded once."""
+    done: dict[Case, tuple[dict[str, Any], Any]] = {}
 
-    def get(case: Case) -> tuple[dict[str, Any], Path]:
+    def get(case: Case) -> tuple[dict[str, Any], Any]:
         ref = R.reference_case(case)
         if ref not in done:
             out = tmp_path_factory.mktemp("reference")
-            done[ref] = (R.run(ref, (1, 1, 1), out), out)
+            loaded: dict[int, dict[str, Any]] = {}
+
+            def state(k: int, ref: Case = ref, out: Path = out) -> dict[str, Any]:
+                if k not in loaded:
+                    loaded[k] = R.saved(ref, out / f"step-{k}")
+                return loaded[k]
+            done[ref] = (R.run(ref, (1, 1, 1), out), state)
         return done[ref]
     return get
 
@@ -52,9 +63,9 @@ def test_the_covering_set_covers_every_pair() -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_a_configuration_gives_the_one_process_answer(case: Case, references: Any,
                                                       tmp_path: Path) -> None:
-    ref, ref_dir = references(case)
+    ref, ref_state = references(case)
     got = C.execute(case, tmp_path)
-    errs = C.differences(case, got, ref, ref_dir)
+    errs = C.differences(case, got, ref, ref_state)
     bad = C.failures(case, errs)
     assert not bad, (f"{case.name} ({case.layout()} resumed on {case.resumed_layout()}) "
                      f"differs from one process:\n  " + "\n  ".join(bad[:20]))

@@ -132,10 +132,13 @@ def sixteen_bit_input(rank: int, n: int, dt: str, nbytes: int) -> np.ndarray:
 
 def sixteen_bit(comm: Any, x: np.ndarray) -> dict[str, np.ndarray]:
     """Every collective on a float16 or bfloat16 ``x``: an all_reduce alone and a bucket
-    of three realised together (one transport call), the rest as :func:`every_collective`."""
+    of three realised together (one transport call), an average whose sum overflows
+    float16, the rest as :func:`every_collective`."""
     r, n = comm.rank, comm.size
     t = fs.tensor(x, device=comm.device)
-    out = {"sum": comm.all_reduce(t * 2.0 + 1.0), "max": comm.all_reduce(t, "max")}
+    out = {"sum": comm.all_reduce(t * 2.0 + 1.0), "max": comm.all_reduce(t, "max"),
+           # the sum of the ranks' 40000s overflows float16 (65504): the mean must not
+           "avg": comm.all_reduce(t * 0.0 + 40000.0, "avg")}
     fs.realize(*out.values())
     bucket = [comm.all_reduce(t + float(k)) for k in range(3)]
     fs.realize(*bucket)
@@ -165,6 +168,7 @@ def sixteen_bit_reference(n: int, dt: str, nbytes: int) -> list[dict[str, np.nda
     refs = []
     for r in range(n):
         ref = {"sum": sum(x * 2.0 + 1.0 for x in xs), "max": np.maximum.reduce(xs),
+               "avg": np.full_like(xs[0], 40000.0),
                **{f"bucket{k}": sum(x + k for x in xs) for k in range(3)},
                "gather": np.concatenate(xs, axis=1),
                "scatter": np.split(total, n, axis=0)[r],

@@ -71,18 +71,26 @@ def _reduce_job(bufs: list[np.ndarray], op: ReduceOp, spare: Spares, *,
     out = spare.take(flat[0].shape, flat[0].dtype)
     n = len(bufs)
     integer = np.issubdtype(out.dtype, np.integer)
+    half = out.dtype.itemsize == 2 and not integer  # float16, bfloat16
 
     def chunk(i: int) -> None:
         lo, hi = i * CHUNK, (i + 1) * CHUNK
-        o = out[lo:hi]
-        ufunc(flat[0][lo:hi], flat[1][lo:hi], out=o)
-        for f in flat[2:]:
-            ufunc(o, f[lo:hi], out=o)
+        if half:  # as the MPI transport: in float32, rounded once (an avg cannot overflow)
+            o = flat[0][lo:hi].astype(np.float32)
+            for f in flat[1:]:
+                ufunc(o, f[lo:hi].astype(np.float32), out=o)
+        else:
+            o = out[lo:hi]
+            ufunc(flat[0][lo:hi], flat[1][lo:hi], out=o)
+            for f in flat[2:]:
+                ufunc(o, f[lo:hi], out=o)
         if op is ReduceOp.AVG:
             if integer:
                 o //= n
             else:
                 o /= n
+        if half:
+            out[lo:hi] = o
 
     full = out.reshape(bufs[0].shape)
     results = [full] * n if shared else list(out.reshape(n, -1))
@@ -266,15 +274,18 @@ def _gpu_reduce(xp: Any, bufs: list[Any], op: ReduceOp, *, shared: bool) -> list
     """Reduce GPU buffers of one shape on one GPU; the same result for every member
     (``shared``) or member r's block of it (reduce_scatter)."""
     ufunc = getattr(xp, _REDUCE[op].__name__)
-    out = bufs[0].reshape(-1).copy()
+    dt = bufs[0].dtype
+    wide = xp.float32 if dt.kind == "f" and dt.itemsize == 2 else dt  # as on the host
+    out = bufs[0].reshape(-1).astype(wide)
     for b in bufs[1:]:
-        ufunc(out, b.reshape(-1), out=out)
+        ufunc(out, b.reshape(-1).astype(wide), out=out)
     n = len(bufs)
     if op is ReduceOp.AVG:
         if out.dtype.kind == "f":
             out /= n
         else:
             xp.floor_divide(out, n, out=out)
+    out = out.astype(dt, copy=False)
     return [out] * n if shared else list(out.reshape(n, -1))
 
 

@@ -12,8 +12,9 @@ before any other file of ours goes in; a committed one also holds its index. Ins
 a directory only the files named by this format (:data:`OURS`) are ever removed, the
 marker last, and then the directory only if it is empty. Beside ``path``, only
 ``<name>.tmp-<nonce>`` and ``<name>.old-<nonce>`` directories whose marker proves them
-saves of ours for ``name`` are cleared (what crashed saves left), each only while no save
-to ``name`` runs (its lock is free). ``keep=`` prunes only checkpoints its own run
+saves of ours for ``name`` are cleared (what crashed saves left; an old one only once
+``name`` is committed again, as until then it is the copy a load finds), each only while
+no save to ``name`` runs (its lock is free). ``keep=`` prunes only checkpoints its own run
 recorded: ``latest`` in the run directory lists the names that saves with ``keep=``
 committed there, and a checkpoint saved by hand beside them (``best-model``) is never on
 it.
@@ -281,10 +282,12 @@ _LOCK_TEXT = re.compile(r"host \S+ pid \d+ save [0-9a-f]{12}\n")
 
 
 def tidy(folder: Path, mine: Path, hook: Hook) -> None:
-    """Remove what crashed saves left in ``folder``: the ``<name>.tmp-<nonce>`` and
-    ``<name>.old-<nonce>`` directories whose marker proves them saves of ours for
-    ``name``, and the stale locks we wrote; each only when no save to ``name`` runs (its
-    lock is free; ``mine`` is the path whose lock this save holds)."""
+    """Remove what crashed saves left in ``folder``: the ``<name>.tmp-<nonce>``
+    directories whose marker proves them saves of ours for ``name``, the
+    ``<name>.old-<nonce>`` ones once ``name`` itself is committed again (before, an old one
+    is the last committed copy, which a load of ``name`` finds), and the stale locks we
+    wrote; each only when no save to ``name`` runs (its lock is free; ``mine`` is the path
+    whose lock this save holds)."""
     aside = re.compile(r"(.+)" + _ASIDE)
     names: dict[str, list[Path]] = {}
     for p in listing(folder):
@@ -305,7 +308,10 @@ def tidy(folder: Path, mine: Path, hook: Hook) -> None:
             except CheckpointError:
                 continue  # a save to ``name`` is running
         try:
+            committed = _created(folder / name) >= 0  # an .old- is the last copy otherwise
             for p in sorted(dirs):
+                if ".old-" in p.name[len(name):] and not committed:
+                    continue
                 if ours(p, name):
                     remove(p, hook, "leftover")
                 else:
@@ -346,15 +352,29 @@ def record(path: Path, hook: Hook) -> None:
 
 def prune(path: Path, keep: int, hook: Hook) -> None:
     """After the commit: point ``latest`` at ``path``, then keep only the ``keep`` newest
-    of the checkpoints the run recorded (``path`` always one of them)."""
+    of the checkpoints the run recorded (``path`` always one of them). A recorded
+    directory that a killed prune left without its index is removed; a name of which
+    nothing is left is forgotten."""
     run = path.parent
     _, saved = _journal(run)
     write_json(run / LATEST, {"latest": path.name, "saved": saved}, hook, "latest")
-    mine = sorted((p for p in (run / n for n in saved) if p != path and _created(p) >= 0),
-                  key=_created, reverse=True)
-    gone = {p.name for p in mine[keep - 1:]}
-    for p in mine[keep - 1:]:
-        remove(p, hook, f"pruned {p.name}")
+    found: list[tuple[int, Path]] = []
+    gone: set[str] = set()
+    for name in saved:
+        p = run / name
+        if p == path:
+            continue
+        when = _resolved(p)
+        if when >= 0:
+            found.append((when, p))
+            continue
+        if ours(p, name) and not (p / INDEX).is_file():
+            remove(p, hook, f"pruned {name}")  # a prune killed between index and marker
+        if not p.exists():
+            gone.add(name)
+    for _, p in sorted(found, reverse=True)[keep - 1:]:
+        remove(find(p), hook, f"pruned {p.name}")
+        gone.add(p.name)
     if gone:
         write_json(run / LATEST, {"latest": path.name,
                                   "saved": [n for n in saved if n not in gone]}, hook, "record")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -94,51 +95,56 @@ def _save(comm: Any, path: Path, version: int, *, background: bool, hook: Any = 
             hook(comm.rank, point)
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a failure after the commit is a warning
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")  # a failure after the commit is a warning
             if background:
                 checkpoint.async_save(path, state, mesh=mesh, keep=2, _hook=seen).wait()
             else:
                 checkpoint.save(path, state, mesh=mesh, keep=2, _hook=seen)
     except FuelError as e:
         return f"{type(e).__name__} after {points[-1] if points else 'nothing'}: {e}"
-    return "saved"
+    return f"saved, warned after {points[-1]}: {warned[0].message}" if warned else "saved"
 
 
 def _check(run: Path, got: list[str], want_before: int, want_after: int) -> int:
     """Both ranks saved, or both raised CheckpointError and nothing of the save is left;
-    ``run/ck`` loads at tp 1 to ``want_after`` if saved, else ``want_before``."""
-    if got == ["saved", "saved"]:
+    the run's newest checkpoint loads at tp 1 to ``want_after`` if saved, else
+    ``want_before``; the run holds its two newest checkpoints and ``latest``, no more."""
+    if all(g.startswith("saved") for g in got):
         want = want_after
     else:
         assert all(g.startswith("CheckpointError") for g in got), got
         want = want_before
-        left = sorted(p.name for p in run.iterdir())
-        assert left in (["ck", "latest"], ["ck"]), (got, left)
-    assert cp.load_state(_comm(), str(run / "ck"), 1) == (want, 84), got
-    assert checkpoint.latest(run) == run / "ck"
+    left = sorted(p.name for p in run.iterdir())
+    assert "latest" in left and all(n == "latest" or re.fullmatch(r"step-\d+", n)
+                                    for n in left) and len(left) <= 3, (got, left)
+    found = checkpoint.latest(run)
+    assert found is not None and cp.load_state(_comm(), str(found), 1) == (want, 84), got
     return want
 
 
 def _sweep(disk: Path, step: int, background: bool) -> set[str]:
-    """The full-disk sweep (see the module docstring); the phases ENOSPC landed in."""
+    """The full-disk sweep (see the module docstring): version after version saved to
+    ``run/step-<v>`` with keep=2, ENOSPC wherever a page runs out; the phases it hit."""
     run = disk / "run"
     before = _free(disk)
-    DeviceGroup.cpu(2).run(lambda c: _save(c, run / "ck", 1, background=False))
-    need = 2 * (before - _free(disk)) + 4 * PAGE  # a second save beside the first, and more
+    DeviceGroup.cpu(2).run(lambda c: _save(c, run / "step-1", 1, background=False))
+    need = 3 * (before - _free(disk)) + 4 * PAGE  # two more saves beside the first
     phases, version = set(), 1
     for leave in range(0, need, step * PAGE):
         _fill(disk, leave)
-        got = DeviceGroup.cpu(2).run(lambda c, v=version + 1: _save(c, run / "ck", v,
-                                                                     background=background))
-        phases.update(g.split(":")[0].split(" after ")[1] for g in got if g != "saved")
-        version = _check(run, got, version, version + 1)
+        v = version + 1
+        got = DeviceGroup.cpu(2).run(lambda c, v=v: _save(c, run / f"step-{v}", v,
+                                                          background=background))
+        phases.update(g.split(":")[0].split(" after ")[1] for g in got if " after " in g)
+        version = _check(run, got, version, v)
         (disk / "ballast").unlink()
-        got = DeviceGroup.cpu(2).run(lambda c, v=version + 1: _save(c, run / "ck", v,
-                                                                     background=background))
+        v = version + 1
+        got = DeviceGroup.cpu(2).run(lambda c, v=v: _save(c, run / f"step-{v}", v,
+                                                          background=background))
         assert got == ["saved", "saved"], got
-        version = _check(run, got, version, version + 1)
-        assert sorted(p.name for p in run.iterdir()) == ["ck", "latest"]
+        version = _check(run, got, version, v)
+        assert len(list(run.iterdir())) == 3  # the two newest and latest
     return phases
 
 
@@ -195,23 +201,25 @@ POINTS = ["shard opened", "shard header written", "shard flushed", "shard fsynce
 
 def _eio(tmp_path: Path, point: str, background: bool) -> None:
     run = tmp_path / "run"
-    DeviceGroup.cpu(2).run(lambda c: _save(c, run / "ck", 1, background=False))
+    DeviceGroup.cpu(2).run(lambda c: _save(c, run / "step-1", 1, background=False))
 
     def fail(rank: int, at: str) -> None:
         if at == point:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    got = DeviceGroup.cpu(2).run(lambda c: _save(c, run / "ck", 2, background=background,
+    replace = point in ("old moved aside", "new renamed into place")  # the same name again
+    name = "step-1" if replace else "step-2"
+    got = DeviceGroup.cpu(2).run(lambda c: _save(c, run / name, 2, background=background,
                                                  hook=fail))
     version = _check(run, got, 1, 2)
-    got = DeviceGroup.cpu(2).run(lambda c: _save(c, run / "ck", version + 1,
+    got = DeviceGroup.cpu(2).run(lambda c: _save(c, run / "step-3", version + 1,
                                                  background=background))
-    assert got == ["saved", "saved"]
-    assert sorted(p.name for p in run.iterdir()) == ["ck", "latest"]
+    assert all(g == "saved" for g in got), got
+    _check(run, got, version, version + 1)
 
 
 @pytest.mark.parametrize("point", ["shard header written", "marker renamed", "index renamed",
-                                   "old moved aside", "latest renamed"])
+                                   "record renamed", "old moved aside", "latest renamed"])
 def test_an_io_error_at_a_point_of_a_save_loses_nothing(tmp_path: Path, point: str) -> None:
     _eio(tmp_path, point, background=False)
 

@@ -105,6 +105,25 @@ def test_a_crashed_saves_leftovers_are_cleared_and_foreign_files_kept(tmp_path: 
     assert cp.load_state(_comm(), str(tmp_path / "ck"), 1) == (2, 84)
 
 
+def test_what_a_killed_save_or_prune_left_is_finished_and_the_last_copy_kept(
+        tmp_path: Path) -> None:
+    """A prune killed after a checkpoint's index went leaves a directory of ours without
+    one: the next keep= save finishes it. A replacement killed between its renames leaves
+    only ``<name>.old-*``: a save to another name keeps it (it is the copy a load of
+    ``name`` finds) until ``name`` is committed again."""
+    for step in range(3):
+        cp.save_state(_comm(), str(tmp_path / f"step-{step}"), 1, 1, False, step + 1, keep=3)
+    (tmp_path / "step-0" / "index.json").unlink()  # as a kill in the middle of a prune
+    (tmp_path / "step-1").rename(tmp_path / "step-1.old-0123456789ab")  # between renames
+    cp.save_state(_comm(), str(tmp_path / "step-3"), 1, 1, False, 4, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step-1.old-0123456789ab", "step-2", "step-3"]
+    assert cp.load_state(_comm(), str(tmp_path / "step-1"), 1) == (2, 84)
+    cp.save_state(_comm(), str(tmp_path / "step-1"), 1, 1, False, 5, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2",
+                                                          "step-3"]
+
+
 # ---- a failed load is all or nothing -----------------------------------------------------
 def test_a_failed_load_leaves_every_rank_untouched_with_one_error(tmp_path: Path) -> None:
     """A piece only rank 1 reads is damaged: before, rank 0 had its model replaced and

@@ -352,9 +352,9 @@ def record(path: Path, hook: Hook) -> None:
 
 def prune(path: Path, keep: int, hook: Hook) -> None:
     """After the commit: point ``latest`` at ``path``, then keep only the ``keep`` newest
-    of the checkpoints the run recorded (``path`` always one of them). A recorded
-    directory that a killed prune left without its index is removed; a name of which
-    nothing is left is forgotten."""
+    of the checkpoints the run recorded (``path`` always one of them). What a killed
+    prune left of a recorded one (no index, or not even the marker: then an empty
+    directory) is removed, and a name of which nothing of ours is left is forgotten."""
     run = path.parent
     _, saved = _journal(run)
     write_json(run / LATEST, {"latest": path.name, "saved": saved}, hook, "latest")
@@ -368,9 +368,14 @@ def prune(path: Path, keep: int, hook: Hook) -> None:
         if when >= 0:
             found.append((when, p))
             continue
-        if ours(p, name) and not (p / INDEX).is_file():
+        if ours(p, name):
             remove(p, hook, f"pruned {name}")  # a prune killed between index and marker
-        if not p.exists():
+        elif p.is_dir() and not p.is_symlink():
+            try:  # a prune killed after the marker: nothing of ours is left in it
+                p.rmdir()
+            except OSError:
+                pass
+        if not ours(p, name):
             gone.add(name)
     for _, p in sorted(found, reverse=True)[keep - 1:]:
         remove(find(p), hook, f"pruned {p.name}")

@@ -118,10 +118,15 @@ def test_what_a_killed_save_or_prune_left_is_finished_and_the_last_copy_kept(
     cp.save_state(_comm(), str(tmp_path / "step-3"), 1, 1, False, 4, keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest", "step-1.old-0123456789ab", "step-2", "step-3"]
+    shutil.rmtree(tmp_path / "step-2")  # a kill after the marker went: an empty directory
+    (tmp_path / "step-2").mkdir()
+    cp.save_state(_comm(), str(tmp_path / "step-4"), 1, 1, False, 5, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step-1.old-0123456789ab", "step-3", "step-4"]
     assert cp.load_state(_comm(), str(tmp_path / "step-1"), 1) == (2, 84)
-    cp.save_state(_comm(), str(tmp_path / "step-1"), 1, 1, False, 5, keep=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-2",
-                                                          "step-3"]
+    cp.save_state(_comm(), str(tmp_path / "step-1"), 1, 1, False, 6, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1", "step-3",
+                                                          "step-4"]
 
 
 # ---- a failed load is all or nothing -----------------------------------------------------

@@ -3,7 +3,8 @@
 CI (``python tests/run.py``) has a time budget (tests/run.py's ``BUDGET_S``); the long
 run, ``python tests/run.py --long`` (``FUELSPMD_TESTS_LONG=1``), runs every test of CI plus
 the full-size, many-repeat and full-matrix variants. A check that only the long run makes
-is still a test of the suite, not a script beside it:
+is still a test of the suite, not a script beside it (``grep -rn "runs(\\|long_only" tests``
+lists them all):
 
 - ``@long_only`` marks a test the long run adds (a full-size calibration, the whole fault
   matrix of a second launcher); in CI it is collected and skipped with the command that

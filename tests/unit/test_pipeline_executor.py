@@ -19,6 +19,7 @@ import pytest
 import fuelspmd as fs
 from fuelspmd import nn
 from fuelspmd.device_group import DeviceGroup
+from fuelspmd.device_group.transport import LocalTransport
 from fuelspmd.errors import CollectiveMismatchError, ConfigError, ShapeError
 from fuelspmd.mesh import Mesh
 from fuelspmd.pipeline_parallel import PipelineExecutor, schedule, simulate
@@ -26,6 +27,7 @@ from fuelspmd.pipeline_parallel.render import chrome_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipeline_programs as P
+from budget import long_only
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = 20.0
@@ -271,12 +273,18 @@ def test_dp_buckets_on_array_api_strict(devices: list[str]) -> None:
         P.check(got, 2, 4, dp=2)
 
 
-def test_tags_past_the_transport_bound_fold_and_still_meet_in_order() -> None:
-    """8193 micro-batches over 2 stages give schedule tags past 32767 (the local
-    transport's bound): they fold, and each pair's messages still meet in issue order."""
-    m = 8193
+@pytest.mark.parametrize("bound", [1023, pytest.param(LocalTransport.tag_bound,
+                                                    marks=long_only)])
+def test_tags_past_the_transport_bound_fold_and_still_meet_in_order(
+        bound: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(bound + 1) / 4 + 1 micro-batches over 2 stages give schedule tags past the local
+    transport's bound: they fold, and each pair's messages still meet in issue order. CI
+    folds at a bound of 1023 (257 micro-batches); the long run at the transport's own,
+    32767 (8193 micro-batches)."""
+    monkeypatch.setattr(LocalTransport, "tag_bound", bound)
+    m = (bound + 1) // 4 + 1
     sched = schedule("1f1b", 2, m)
-    assert max(msg.tag for st in sched.steps(0) for msg in (*st.sends, *st.recvs)) > 32767
+    assert max(msg.tag for st in sched.steps(0) for msg in (*st.sends, *st.recvs)) > bound
     w = np.array([[2.0]])
     xs = [np.array([[float(i)]]) for i in range(m)]
 

@@ -43,6 +43,12 @@ M, B, T = 4, 2, 16  # micro-batches of the global batch, sequences each, tokens 
 VOCAB = 256
 CLIP = 1.0
 LR = 3e-3  # AdamW's peak learning rate (a warm-up step, then a cosine)
+# float16: the loss scale starts at 2^10 and doubles after 3 finite steps, and step SPIKE's
+# loss is multiplied by SPIKE_BY, so its gradients overflow on every layout and the step is
+# skipped. (Whether a gradient overflows at the edge depends on the layout: a micro-batch's
+# share of the loss is 1/M of the replica's, so its backward values are larger with fewer
+# micro-batches per replica. The scale stays well below that edge; the skip is forced.)
+SPIKE, SPIKE_BY = 3, 1e4
 TIMEOUT = 60.0
 
 
@@ -93,12 +99,14 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
     model.rng.seed, model.rng.offset = SEED, replica * mine
     for block in model.blocks.values():
         block.recompute = case.recompute
-    scaler = optim.LossScaler(2.0 ** 14, interval=2) if case.dtype == "float16" else None
+    scaler = (optim.LossScaler(2.0 ** 10, interval=3) if case.dtype == "float16" else
+              None)
+    spike: list[fs.Tensor] = []  # the call's loss factor (an argument), for loss_fn
 
     def loss_fn(y: fs.Tensor, t: fs.Tensor) -> fs.Tensor:
         z = y.reshape(-1, VOCAB)
         value = cross_entropy(z if z.dtype.itemsize >= 4 else z.astype(fs.float32), t)
-        return value if scaler is None else scaler.scale(value)
+        return value if scaler is None else scaler.scale(value * spike[0])
 
     params = model.parameters()
     adam = optim.AdamW(params, lr=optim.cosine(LR, STEPS, warmup=1), weight_decay=0.1)
@@ -108,14 +116,15 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
                           loss=loss_fn, dp=None if zero else dpc, recompute=tp > 1,
                           dropout=model.rng)
 
-    def one_step(xs: list[fs.Tensor] | None, ys: list[fs.Tensor] | None
+    def one_step(xs: list[fs.Tensor] | None, ys: list[fs.Tensor] | None, k: fs.Tensor
                  ) -> tuple[fs.Tensor, fs.Tensor]:
+        spike[:] = [k]
         res = ex.step(xs, ys)
         grads = model.param_grads(res.grads)
         loss, finite = res.loss, None
         if scaler is not None:
             grads, finite = scaler.unscale(grads, comm=world)
-            loss = loss / scaler.factor
+            loss = loss / scaler.factor / k
         if zero:  # ZeRO-1 reduce-scatters each replica's own gradients itself
             norm = opt.step(grads, max_norm=CLIP, mesh=mesh, apply=finite)
             loss = dpc.all_reduce(loss, "avg")
@@ -139,7 +148,9 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
         xs, ys = batch(step, replica, dp)
         with np.errstate(over="ignore", invalid="ignore"):  # float16: a skipped step
             loss, norm = fn([fs.tensor(x, device=comm.device) for x in xs] if first else None,
-                            [fs.tensor(y, device=comm.device) for y in ys] if last else None)
+                            [fs.tensor(y, device=comm.device) for y in ys] if last else None,
+                            fs.tensor(np.float32(SPIKE_BY if step == SPIKE else 1.0),
+                                      device=comm.device))
         losses.append(float(loss))
         norms.append(float(norm))
         scales.append(None if scaler is None else scaler.value)

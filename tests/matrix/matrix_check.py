@@ -59,11 +59,13 @@ NOISE = ("attn.k.bias",)
 
 @dataclass
 class Outcome:
-    """A case's runs: the first (steps 1..STEPS) and the resumed one (RESUME_AT+1..)."""
+    """A case's runs: the first (steps 1..STEPS, checkpoints in ``first_dir``) and the
+    resumed one (RESUME_AT+1.., in ``resumed_dir``)."""
 
     first: dict[str, Any]
     resumed: dict[str, Any]
-    out: Path
+    first_dir: Path
+    resumed_dir: Path
     seconds: float
 
 
@@ -96,20 +98,23 @@ def _mpi(case: Case, layout: tuple[int, int, int], out: Path, result: Path, *,
     return got
 
 
-def execute(case: Case, out: Path) -> Outcome:
-    """Run ``case`` to the end, then resume its step-``RESUME_AT`` checkpoint on its
-    resumed layout (in ``out/first`` and ``out/resumed``)."""
+def execute(case: Case, out: Path, first: tuple[dict[str, Any], Path] | None = None
+            ) -> Outcome:
+    """Run ``case`` to the end (unless ``first`` gives that run's result and directory:
+    a case that differs only in where it resumes), then resume its step-``RESUME_AT``
+    checkpoint on its resumed layout (in ``out/first`` and ``out/resumed``)."""
     start = time.monotonic()
-    first, resumed = out / "first", out / "resumed"
-    load = first / f"step-{R.RESUME_AT}"
-    again = case.resumed_layout()
-    if case.ranks == "processes":
-        a = _mpi(case, case.layout(), first, out / "first.json")
-        b = _mpi(case, again, resumed, out / "resumed.json", start=R.RESUME_AT, load=load)
+    mpi = case.ranks == "processes"
+    if first is None:
+        a_dir = out / "first"
+        a = (_mpi(case, case.layout(), a_dir, out / "first.json") if mpi else
+             R.run(case, case.layout(), a_dir))
     else:
-        a = R.run(case, case.layout(), first)
-        b = R.run(case, again, resumed, start=R.RESUME_AT, load_from=load)
-    return Outcome(a, b, out, time.monotonic() - start)
+        a, a_dir = first
+    load, b_dir, again = a_dir / f"step-{R.RESUME_AT}", out / "resumed", case.resumed_layout()
+    b = (_mpi(case, again, b_dir, out / "resumed.json", start=R.RESUME_AT, load=load) if mpi
+         else R.run(case, again, b_dir, start=R.RESUME_AT, load_from=load))
+    return Outcome(a, b, a_dir, b_dir, time.monotonic() - start)
 
 
 def _rel(a: np.ndarray, b: np.ndarray, floor: float = 0.0) -> float:
@@ -135,8 +140,8 @@ def differences(case: Case, got: Outcome, ref: dict[str, Any],
     errs["loss scales"] = 0.0 if got.first["scales"] == ref["scales"] and \
         got.resumed["scales"] == ref["scales"][R.RESUME_AT:] else float("inf")
     bound = 2 * R.LR * R.STEPS  # what AdamW moves a parameter by at most, twice over
-    pairs = [(f"step-{k}", got.out / "first" / f"step-{k}") for k in R.SAVES]
-    pairs.append((f"resumed step-{R.STEPS}", got.out / "resumed" / f"step-{R.STEPS}"))
+    pairs = [(f"step-{k}", got.first_dir / f"step-{k}") for k in R.SAVES]
+    pairs.append((f"resumed step-{R.STEPS}", got.resumed_dir / f"step-{R.STEPS}"))
     for label, path in pairs:
         done = int(label.rsplit("-", 1)[1])
         a, b = R.saved(case, path), ref_state(done)

@@ -15,6 +15,7 @@ CI runs the all-pairs covering set (every pair of values of every two axes in so
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,13 @@ pytestmark = pytest.mark.timeout(600)
 
 FULL = os.environ.get("FUELSPMD_MATRIX") == "full"
 CASES = full_product() if FULL else all_pairs()
-# "i/n": this process runs every n-th case from the i-th (tests/run.py --matrix full
-# runs the shards side by side)
+# "i/n": this process runs the cases of every n-th first run from the i-th (tests/run.py
+# --matrix full runs the shards side by side); the cases that differ only in where they
+# resume are one shard's, one after the other, and share their first run
 _i, _, _n = os.environ.get("FUELSPMD_MATRIX_SHARD", "0/1").partition("/")
-CASES = CASES[int(_i)::int(_n)]
+_base = {b: k for k, b in enumerate(dict.fromkeys(replace(c, resume="") for c in CASES))}
+CASES = sorted((c for c in CASES if _base[replace(c, resume="")] % int(_n) == int(_i)),
+               key=lambda c: (_base[replace(c, resume="")], c.resume))
 
 
 @pytest.fixture(scope="session")
@@ -60,11 +64,22 @@ def test_the_covering_set_covers_every_pair() -> None:
     assert len(all_pairs()) < len(full_product()) // 100
 
 
+@pytest.fixture(scope="session")
+def first_runs() -> dict[Case, tuple[dict[str, Any], Path]]:
+    """The first run of each case kept for the next case that differs only in where it
+    resumes (only the previous one: they are consecutive)."""
+    return {}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_a_configuration_gives_the_one_process_answer(case: Case, references: Any,
+                                                      first_runs: dict[Case, Any],
                                                       tmp_path: Path) -> None:
     ref, ref_state = references(case)
-    got = C.execute(case, tmp_path)
+    base = replace(case, resume="")
+    got = C.execute(case, tmp_path, first_runs.get(base))
+    first_runs.clear()
+    first_runs[base] = (got.first, got.first_dir)
     errs = C.differences(case, got, ref, ref_state)
     bad = C.failures(case, errs)
     assert not bad, (f"{case.name} ({case.layout()} resumed on {case.resumed_layout()}) "

@@ -11,8 +11,9 @@ The global batch of every step is the same whatever the layout (``M`` micro-batc
 dp replica taking its share in order), and so are the dropout masks (keyed by the global
 micro-batch and layer), so every layout computes the same function as one process.
 
-After steps ``SAVES`` it saves a checkpoint; a second run on another layout loads the one
-of step ``RESUME_AT`` and trains on to the end. Run under ``mpiexec`` this file is the
+After steps ``SAVES`` it saves a checkpoint (the middle one with ``async_save``, written
+while the next steps run); a second run on another layout loads the one of step
+``RESUME_AT`` and trains on to the end. Run under ``mpiexec`` this file is the
 program (``--case``, ``--layout``, ``--start``, ``--dir``); ``tests/matrix/test_matrix.py``
 runs it, the DeviceGroup runs in process, and the reference, and compares.
 """
@@ -143,6 +144,7 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
     fn: Any = fs.compile(one_step) if case.compiled else one_step
     first, last = 0 in model.virtual, len(model.ranges) - 1 in model.virtual
     losses, norms, scales = [], [], []
+    handle = None
     for step in range(start, STEPS):
         model.rng.set_step(step)
         xs, ys = batch(step, replica, dp)
@@ -154,10 +156,13 @@ def train(comm: Any, case: Case, layout: tuple[int, int, int], out: Path, *, sta
         losses.append(float(loss))
         norms.append(float(norm))
         scales.append(None if scaler is None else scaler.value)
-        if step + 1 in SAVES:
-            checkpoint.save(out / f"step-{step + 1}", {
+        if step + 1 in SAVES:  # the middle one in the background, as a long run saves
+            save = checkpoint.async_save if step + 1 == SAVES[1] else checkpoint.save
+            handle = save(out / f"step-{step + 1}", {
                 **state, "scaler": None if scaler is None else scaler.state_dict()},
                 mesh=mesh)
+    if handle is not None:
+        handle.wait()  # a no-op unless the run ended on the background save
     return {"losses": losses, "norms": norms, "scales": scales,
             "replays": fn.replays if case.compiled else 0}
 

@@ -76,7 +76,7 @@ def test_chunks_hold_the_virtual_stages_with_the_whole_models_names(pp: int, chu
         st, dev = stages[v]
         h = st(h if v == 0 else h.to(dev))
     np.testing.assert_allclose(h.numpy(), want, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ConfigError, match="model.stages"):
+    with pytest.raises(ConfigError, match=r"model\.stages"):
         got[0][1](IDS)
     with pytest.raises(ConfigError, match="pp=3 pipeline stages for 2 layers"):
         models.GPT2(models.GPT2Config(vocab_size=48, n_embd=32, n_layer=2, n_head=4),

@@ -69,16 +69,16 @@ class Outcome:
     seconds: float
 
 
-def _mpi(case: Case, layout: tuple[int, int, int], out: Path, result: Path, *,
-         start: int = 0, load: Path | None = None) -> dict[str, Any]:
+def _mpi(case: Case, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``runs`` of ``case`` (layout, dir, start, load) in one ``mpiexec`` job of as many
+    ranks as the largest needs; their results."""
     if MPIEXEC is None:
         raise RuntimeError("no mpiexec beside this Python: pip install -e '.[test]'")
-    n = layout[0] * layout[1] * layout[2]
+    n = max(r["layout"][0] * r["layout"][1] * r["layout"][2] for r in runs)
+    for r in runs:
+        r["result"] = str(Path(r["dir"]).with_suffix(".json"))
     cmd = [MPIEXEC, "-n", str(n), sys.executable, str(HERE / "matrix_run.py"),
-           "--case", json.dumps(case.as_json()), "--layout", ",".join(map(str, layout)),
-           "--dir", str(out), "--start", str(start), "--result", str(result)]
-    if load is not None:
-        cmd += ["--load", str(load)]
+           "--case", json.dumps(case.as_json()), "--runs", json.dumps(runs)]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "MPI_", "OMPI_", "SLURM_", "HYDRA",
                                 "FUELSPMD_"))}
@@ -89,13 +89,11 @@ def _mpi(case: Case, layout: tuple[int, int, int], out: Path, result: Path, *,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        raise AssertionError(f"{case.name} on {layout}: past its {DEADLINE_S} s deadline:\n"
+        raise AssertionError(f"{case.name}: past its {DEADLINE_S} s deadline:\n"
                              f"{log[-4000:]}") from None
     if proc.returncode != 0:
-        raise AssertionError(f"{case.name} on {layout}: exit {proc.returncode}:\n"
-                             f"{log[-8000:]}")
-    got: dict[str, Any] = json.loads(result.read_text())
-    return got
+        raise AssertionError(f"{case.name}: exit {proc.returncode}:\n{log[-8000:]}")
+    return [json.loads(Path(r["result"]).read_text()) for r in runs]
 
 
 def execute(case: Case, out: Path, first: tuple[dict[str, Any], Path] | None = None
@@ -104,16 +102,24 @@ def execute(case: Case, out: Path, first: tuple[dict[str, Any], Path] | None = N
     a case that differs only in where it resumes), then resume its step-``RESUME_AT``
     checkpoint on its resumed layout (in ``out/first`` and ``out/resumed``)."""
     start = time.monotonic()
-    mpi = case.ranks == "processes"
+    b_dir, again = out / "resumed", case.resumed_layout()
+    runs = []
     if first is None:
         a_dir = out / "first"
-        a = (_mpi(case, case.layout(), a_dir, out / "first.json") if mpi else
-             R.run(case, case.layout(), a_dir))
+        runs.append({"layout": case.layout(), "dir": str(a_dir), "start": 0, "load": None})
     else:
         a, a_dir = first
-    load, b_dir, again = a_dir / f"step-{R.RESUME_AT}", out / "resumed", case.resumed_layout()
-    b = (_mpi(case, again, b_dir, out / "resumed.json", start=R.RESUME_AT, load=load) if mpi
-         else R.run(case, again, b_dir, start=R.RESUME_AT, load_from=load))
+    runs.append({"layout": again, "dir": str(b_dir), "start": R.RESUME_AT,
+                 "load": str(a_dir / f"step-{R.RESUME_AT}")})
+    if case.ranks == "processes":
+        got = _mpi(case, runs)
+    else:
+        got = [R.run(case, tuple(r["layout"]), Path(r["dir"]), start=r["start"],
+                     load_from=None if r["load"] is None else Path(r["load"]))
+               for r in runs]
+    if first is None:
+        a = got[0]
+    b = got[-1]
     return Outcome(a, b, a_dir, b_dir, time.monotonic() - start)
 
 

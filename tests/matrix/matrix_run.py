@@ -198,22 +198,31 @@ def saved(case: Case, path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``mpiexec`` program: train, rank 0 writes the result as JSON."""
+    """The ``mpiexec`` program: the runs of ``--runs`` one after another, each on the first
+    ranks its layout needs (a split of the world when it needs fewer; the others wait), rank
+    0 of each writing its result as JSON. A resumed run is one of them: its model and
+    optimiser are new, its state comes from the checkpoint on disk."""
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, help="the Case as JSON")
-    p.add_argument("--layout", required=True, help="tp,pp,dp")
-    p.add_argument("--dir", required=True, type=Path)
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--load", type=Path, default=None)
-    p.add_argument("--result", required=True, type=Path)
+    p.add_argument("--runs", required=True, help="JSON list of {layout: [tp, pp, dp], dir, "
+                   "start, load (or null), result}")
     a = p.parse_args(argv)
     case = Case(**json.loads(a.case))
-    layout = tuple(int(v) for v in a.layout.split(","))
     world = fs.init(timeout=TIMEOUT)
-    with threadpool_limits(limits=1, user_api="blas"):
-        got = train(world, case, layout, a.dir, start=a.start, load_from=a.load)  # type: ignore[arg-type]
-    if world.rank == 0:
-        a.result.write_text(json.dumps(got))
+    for run_ in json.loads(a.runs):
+        layout = tuple(run_["layout"])
+        n = layout[0] * layout[1] * layout[2]
+        comm: Any = world
+        if n < world.size:
+            comm = world.comm.split(0 if world.rank < n else 1, world.rank)
+        if world.rank < n:
+            load = None if run_["load"] is None else Path(run_["load"])
+            with threadpool_limits(limits=1, user_api="blas"):
+                got = train(comm, case, layout, Path(run_["dir"]),  # type: ignore[arg-type]
+                            start=run_["start"], load_from=load)
+            if comm.rank == 0:
+                Path(run_["result"]).write_text(json.dumps(got))
+        world.comm.barrier()
     return 0
 
 

@@ -73,7 +73,7 @@ from rich.progress import Progress as RichProgress
 from threadpoolctl import threadpool_limits
 
 import fuelspmd as fs
-from fuelspmd import nn, optim
+from fuelspmd import models, nn, optim
 from fuelspmd import tensor_parallel as tp
 from fuelspmd.comm import Communicator
 from fuelspmd.errors import ConfigError
@@ -254,11 +254,6 @@ def train(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     vs = [j * pp_ + mesh.coord("pp") for j in range(chunks)]
     pretrained = None
     if args.from_dir:
-        # imported here: importing it shifts the garbage collector's timing, and with it the
-        # guard's point-to-point check raises a false mismatch in the interleaved tp 2 x pp
-        # 2 run (a recv that an already sent message satisfies is taken for a deadlock)
-        from fuelspmd import models
-
         pretrained = models.from_pretrained(args.from_dir, mesh=mesh, chunks=chunks,
                                             dtype=cfg.dtype)
         pretrained.train()  # the config's dropout, keyed per replica as the built-in's

@@ -21,10 +21,18 @@ guarantees, and how:
    sender's fingerprint is in and agrees (complementary op, epoch, tag, shape, dtype).
 3. **Ranks waiting in different places find out within a slice.** A wait longer than
    :data:`~fuelspmd.transport.WATCH_S` sends each peer one *note* (tag :data:`TAG_NOTE`:
-   the op it waits in, its pair counts with that peer) and reads the peers' (the ``probe``
-   capability). A note that cannot be squared with what this rank does raises here, and an
-   *abort* note tells every peer, which raises within its next slice. A note about an
-   operation already passed (an older collective, a message already sent) is ignored.
+   the op it waits in, for a send or recv its number among the messages with that peer,
+   and its pair counts with that peer) and reads the peers' (the ``probe`` capability). A
+   note that cannot be squared with what this rank does raises here, and an *abort* note
+   tells every peer, which raises within its next slice. A note about an operation already
+   passed (an older collective, a message already sent) is ignored. A note may be read
+   long after it was sent (when the reader's own wait passes a slice: the load and the
+   collector's pauses decide), so a deadlock is concluded only from what it proves still
+   holds: a peer in a recv of a message this rank has not sent is still in it, and one in
+   a collective cannot leave it without this rank; a peer in a send may have left it (MPI
+   may complete a send before its recv is posted), so two ranks each in a send to the
+   other are left to the timeout. The message a peer waits for is the number its note
+   carries, not its count of messages issued, which receives posted ahead make larger.
 4. **A rank that finished is named at once.** A guard that closes (finalize, interpreter
    exit) sends each peer a *bye* note with its final counts; a rank waiting on it for what
    they show it never issued raises :class:`~fuelspmd.errors.PeerAbortedError`. A guard
@@ -82,7 +90,8 @@ TAG_P2P, TAG_NOTE = 1, 2  # the control channel's two streams
 _P = (1 << 61) - 1  # the fence's modulus, a prime
 _WAIT, _ABORT, _BYE = 1, 2, 3  # kinds of note
 _TEXT = 2048  # bytes of an abort note's text
-# [kind, abort: error code | bye: collectives issued, sent to you, recvd from you, fp, text]
+# [kind, wait: message no. with you (0: a collective) | abort: error code | bye: collectives
+#  issued, sent to you, recvd from you, fp, text]
 _NOTE = 4 + FP_LEN + _TEXT // 8
 _KINDS = (CollectiveMismatchError, CommTimeoutError, PeerAbortedError, CommError)
 _HINT = ("every rank must issue the same collectives in the same order, and every send "
@@ -254,7 +263,7 @@ class Guard:
             return
         if self.cur is not None and self._announced is not self.cur:
             self._announced = self.cur
-            self._tell(_WAIT, 0, self._encoded())
+            self._tell(_WAIT, self.cur[3], self._encoded())
         self._read_notes()
         for q, note in enumerate(self._notes):  # a bye stands for every later operation
             if note is not None and note[0] == _BYE:
@@ -318,11 +327,14 @@ class Guard:
                 self.fail(f"{gone} {int(note[1])} collectives, so it will never join "
                           f"collective #{int(mine[CSEQ])}. Fix: {_HINT}", PeerAbortedError)
             return
-        if q_peer >= 0:  # q waits in its message #need with q_peer
-            need = int(note[2] if theirs[OP] == SEND else note[3])
+        if q_peer >= 0:  # q waits in its message #need with q_peer (the note's number)
+            need = int(note[1])
             r_issued = self.recvd[q] if theirs[OP] == SEND else self.sent[q]
-            if q_peer == r and r_issued < need:
-                self.fail(self._unmatched(q, theirs, need, r, mine, r_issued))
+            if q_peer != r or r_issued >= need:
+                return  # q waits for another rank, or for what this rank issued already
+            if theirs[OP] == SEND and my_peer >= 0:
+                return  # q may have left its send (a buffered send completes unmatched)
+            self.fail(self._unmatched(q, theirs, need, r, mine, r_issued))
         elif my_peer >= 0:  # q passed to a collective without the other side of this op
             self.fail(self._unmatched(r, mine, k, q, theirs, q_issued))
         elif digest(theirs) != digest(mine):

@@ -559,7 +559,7 @@ def test_a_recv_of_a_message_already_sent_is_not_a_mismatch(world: Any) -> None:
             guard.cur = (fp.encode(), 0, 0, k, -1, None)
             note = np.zeros(_NOTE, np.int64)
             theirs = Fingerprint(1, "recv", (4,), "float32", None, None, g.group, 0, 1, 6, 0)
-            note[:4] = (_WAIT, 0, 1, 1)  # rank 1 sent 1 to rank 0 and waits in recv #1
+            note[:4] = (_WAIT, 1, 1, 1)  # rank 1 sent 1 to rank 0 and waits in recv #1
             note[4:4 + FP_LEN] = theirs.encode()
             guard._square(1, note)  # nothing raised
             note[2] = 0  # had rank 1 not sent, both would wait for each other for ever

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import inspect
 import logging
 import os
 import warnings
@@ -51,7 +52,7 @@ from typing import Any
 
 from threadpoolctl import threadpool_limits
 
-from fuelspmd.backend import Device, cuda_device_count
+from fuelspmd.backend import Device, cuda_device_count, cuda_unavailable_reason
 from fuelspmd.backend import device as as_device
 from fuelspmd.comm.communicator import Communicator
 from fuelspmd.comm.guard import MODES
@@ -60,7 +61,12 @@ from fuelspmd.comm.recorder import Recorder
 from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
 from fuelspmd.dtypes import bfloat16, to_numpy
-from fuelspmd.errors import CollectiveMismatchError, ConfigError, TransportUnavailableError
+from fuelspmd.errors import (
+    CollectiveMismatchError,
+    ConfigError,
+    DeviceError,
+    TransportUnavailableError,
+)
 from fuelspmd.launch.crash import PeerWatch, install_crash_handler, remove_crash_handler
 from fuelspmd.launch.output import Ranks, rank_logger, rank_print
 from fuelspmd.launch.places import (
@@ -100,6 +106,7 @@ class World:
     _hooks: tuple[Any, ...] | None = field(default=None, repr=False)
     _watch: PeerWatch | None = field(default=None, repr=False)
     _comm: Communicator | None = field(default=None, repr=False)
+    _asked: dict[str, Any] = field(default_factory=dict, repr=False)  # init()'s arguments
 
     @property
     def comm(self) -> Communicator:
@@ -159,6 +166,59 @@ def current() -> World | None:
 
 
 ALL_REDUCE = ("auto", "mpi", "shm", "hierarchical")
+# init(timeout=...): seconds. Below a second the start-up alone (MPI_Init, the first
+# exchanges) may not fit; past a week a wait that has not ended is a hang, and the
+# deadline's clocks (faulthandler's start-up watchdog among them) must still hold it.
+TIMEOUT_RANGE = (1.0, 7 * 24 * 3600.0)
+
+
+def _check_arguments(asked: dict[str, Any]) -> None:
+    """Raise ConfigError (DeviceError for a device string) for an argument of ``init``
+    outside its range, before anything starts: every rank passes the same arguments, so
+    every rank raises the same error."""
+    timeout, (lo, hi) = asked["timeout"], TIMEOUT_RANGE
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            lo <= timeout <= hi):
+        raise ConfigError(f"init(timeout={timeout!r}): the timeout must be a positive number "
+                          f"of seconds from {lo:g} to {hi:g} (a week), e.g. 600 (the default)")
+    for name, allowed in (("check", MODES), ("tracebacks", ("first", "all")),
+                          ("all_reduce", ALL_REDUCE)):
+        if asked[name] not in allowed:
+            raise ConfigError(f"init({name}={asked[name]!r}): use one of {list(allowed)}")
+    if asked["device"] != "auto":
+        try:
+            as_device(asked["device"])
+        except DeviceError as e:
+            raise DeviceError(f"init(device={asked['device']!r}): {e}; use 'auto' or a device "
+                              "such as 'cpu:0' or 'cuda:1'") from None
+
+
+def _device_exists(dev: Device) -> None:
+    """Raise DeviceError when ``dev`` names a GPU this process cannot see, at ``init``
+    rather than at the first operation that touches it."""
+    if dev.kind != "cuda":
+        return
+    gpus = cuda_device_count()
+    if dev.index >= gpus:
+        seen = (f"cupy sees {gpus} GPU(s), cuda:0 .. cuda:{gpus - 1}" if gpus else
+                f"no GPU is usable here ({cuda_unavailable_reason()})")
+        raise DeviceError(f"init(device={str(dev)!r}): {seen}; use device='auto' (a GPU "
+                          f"when there is one, else the CPU) or 'cpu:0'")
+
+
+def _same_arguments(first: dict[str, Any], asked: dict[str, Any]) -> None:
+    """A second ``init`` returns the world only for the same arguments (or none at all:
+    ``init()`` asks for the world as it is); other arguments raise ConfigError."""
+    defaults = {name: p.default for name, p in inspect.signature(init).parameters.items()}
+    if all(asked[k] == defaults[k] for k in asked):
+        return
+    differ = [k for k in asked if asked[k] != first.get(k)]
+    if differ:
+        raise ConfigError(
+            "init() was called before with " + ", ".join(f"{k}={first.get(k)!r}" for k in differ)
+            + "; this call passes " + ", ".join(f"{k}={asked[k]!r}" for k in differ)
+            + ", which the running world cannot change: pass the same arguments (or none, "
+            "init() returns the world), or call world.finalize() first")
 
 
 def init(*, transport: str = "auto", device: str | Device = "auto", timeout: float = 600.0,
@@ -185,18 +245,16 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
     them with ``fuelspmd trace DIR``. None (the default) writes nothing.
     """
     global _WORLD
+    asked = {"transport": transport, "device": device, "timeout": timeout, "check": check,
+             "all_reduce": all_reduce, "calibration": calibration, "trace_dir": trace_dir,
+             "tracebacks": tracebacks}
     if _WORLD is not None:
+        _same_arguments(_WORLD._asked, asked)
         return _WORLD
-    if not timeout > 0:
-        raise ConfigError(f"init(timeout={timeout}): the timeout must be a positive number "
-                          "of seconds, e.g. 600")
-    if check not in MODES:
-        raise ConfigError(f"init(check={check!r}): use one of {list(MODES)}")
-    if tracebacks not in ("first", "all"):
-        raise ConfigError(f"init(tracebacks={tracebacks!r}): use 'first' or 'all'")
-    if all_reduce not in ALL_REDUCE:
-        raise ConfigError(f"init(all_reduce={all_reduce!r}): use one of {list(ALL_REDUCE)}")
+    _check_arguments(asked)
     info = detect_launcher()
+    if device != "auto":
+        _device_exists(as_device(device))
     to_numpy(bfloat16)  # its import (ml_dtypes) is local work, not a wait the deadline is for
     with _startup_deadline(info, timeout):
         seam = _start_transport(transport, info, timeout, device)
@@ -205,7 +263,8 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
                   nodes=[], launcher=info.launcher, device=Device("cpu", 0), transport=seam,
                   timeout=timeout, trace_dir=None if trace_dir is None else os.fspath(trace_dir),
                   check=check, tracebacks=tracebacks,
-                  calibration=None if calibration is None else os.fspath(calibration))
+                  calibration=None if calibration is None else os.fspath(calibration),
+                  _asked=asked)
     if seam.size > 1:
         # from here on an exception on one rank ends the job, so a check below that fails
         # on some ranks only cannot leave the others blocked

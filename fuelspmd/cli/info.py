@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,17 +23,26 @@ __all__ = ["collect", "main"]
 
 
 def _transports() -> list[dict[str, Any]]:
+    """A row per transport plugin: whether it can run here and why not. What a plugin's
+    libraries warn while it is probed (cupy, when NCCL is missing) is its row's business,
+    not the terminal's: an unavailable plugin's reason says it, and an available one's
+    warnings are kept in its row."""
     rows = []
     for name, entry in sorted(find_transports().items()):
         row: dict[str, Any] = {"name": name, "entry_point": entry.value}
-        try:
-            plugin = entry.load()
-            row["unavailable"] = plugin.unavailable_reason()
-            version = getattr(plugin, "library_version", None)
-            row["library"] = version() if callable(version) and not row["unavailable"] else None
-        except Exception as e:  # a broken third-party plugin must not break `info`
-            row["unavailable"] = f"failed to load: {type(e).__name__}: {e}"
-            row["library"] = None
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                plugin = entry.load()
+                row["unavailable"] = plugin.unavailable_reason()
+                version = getattr(plugin, "library_version", None)
+                row["library"] = (version() if callable(version) and not row["unavailable"]
+                                  else None)
+            except Exception as e:  # a broken third-party plugin must not break `info`
+                row["unavailable"] = f"failed to load: {type(e).__name__}: {e}"
+                row["library"] = None
+        row["warnings"] = ([] if row["unavailable"] else
+                           [" ".join(str(w.message).split()) for w in said])
         rows.append(row)
     return rows
 
@@ -105,6 +115,7 @@ def main(argv: list[str]) -> int:
         out.append(f"  {t['name']:<8} {state}")
         if t["library"]:
             out.append(f"           {t['library']}")
+        out += [f"           warning: {w}" for w in t["warnings"]]
     print("\n".join(out))
     sys.stdout.flush()
     return 0

@@ -18,6 +18,7 @@ import json
 import sys
 
 from fuelspmd.bench import Column, parser, print_table
+from fuelspmd.cli.arguments import count, number
 from fuelspmd.cost.transformer import (
     Assumptions,
     Prediction,
@@ -31,28 +32,36 @@ from fuelspmd.pipeline_parallel.schedules import schedule
 from fuelspmd.pipeline_parallel.simulate import simulate
 from fuelspmd.topology import Topology, declared
 
-__all__ = ["main"]
+__all__ = ["MAX_GPUS", "NEARBY", "main"]
+
+MAX_GPUS = 1 << 20  # the layouts of a GPU count are found by trial division
+MODEL_SIZE = 1 << 30  # a model dimension, a sequence or a batch: finite
+NEARBY = 4096  # GPU counts tried on each side when a count has no layout
 
 
 def _parser() -> argparse.ArgumentParser:
     p = parser("fuelspmd plan", __doc__)
     model = p.add_argument_group("model")
     for name in ("layers", "hidden", "heads", "seq", "vocab", "batch"):
-        model.add_argument(f"--{name}", type=int, required=True,
+        model.add_argument(f"--{name}", type=count(1, MODEL_SIZE), required=True,
                            help="global batch in sequences" if name == "batch" else None)
     cluster = p.add_argument_group("cluster")
-    cluster.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    cluster.add_argument("--gpus", type=count(1, MAX_GPUS), required=True,
+                         help=f"number of GPUs, at most {MAX_GPUS}")
     cluster.add_argument("--topology", required=True,
                          help=f"a JSON declaration file or one of {declared()}")
-    cluster.add_argument("--peak-tflops", type=float, help="override the GPU's peak TFLOP/s")
-    cluster.add_argument("--memory-gib", type=float, help="override the GPU's memory (GiB)")
-    cluster.add_argument("--memory-bandwidth-gbs", type=float,
+    cluster.add_argument("--peak-tflops", type=number(0, 1e6, above=True),
+                         help="override the GPU's peak TFLOP/s")
+    cluster.add_argument("--memory-gib", type=number(0, 1e6, above=True),
+                         help="override the GPU's memory (GiB)")
+    cluster.add_argument("--memory-bandwidth-gbs", type=number(0, 1e8, above=True),
                          help="override the GPU's memory bandwidth (GB/s)")
     how = p.add_argument_group("assumptions")
     defaults = Assumptions()
-    how.add_argument("--matmul-efficiency", type=float, default=defaults.matmul_efficiency,
+    share = number(0, 1, above=True)
+    how.add_argument("--matmul-efficiency", type=share, default=defaults.matmul_efficiency,
                      help="share of peak FLOP/s large GEMMs reach (default %(default)s)")
-    how.add_argument("--memory-efficiency", type=float, default=defaults.memory_efficiency,
+    how.add_argument("--memory-efficiency", type=share, default=defaults.memory_efficiency,
                      help="share of memory bandwidth streaming kernels reach (default "
                           "%(default)s)")
     how.add_argument("--no-recompute", action="store_true",
@@ -62,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true",
                    help="replay the best layout's pipeline schedule (the runtime's own "
                         "generator) in the event simulator and compare with the formula")
-    p.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    p.add_argument("--top", type=count(1, 1000), default=5, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -114,14 +123,14 @@ def why_no_layout(model: Transformer, gpus: int, microbatches: tuple[int, ...]) 
             + " (tp divides the heads, pp the layers, dp x micro-batch the batch):")
     if len(reasons) > 8:
         reasons = [*reasons[:8], f"  ... and {len(reasons) - 8} more layouts"]
-    nearby = [n for n in (*range(gpus - 1, 0, -1), *range(gpus + 1, 2 * gpus + 1))
-              if candidates(model, n, microbatches=microbatches)]
-    below = max((n for n in nearby if n < gpus), default=None)
-    above = min((n for n in nearby if n > gpus), default=None)
+    below = next((n for n in range(gpus - 1, max(gpus - NEARBY, 0), -1)
+                  if candidates(model, n, microbatches=microbatches)), None)
+    above = next((n for n in range(gpus + 1, min(gpus + NEARBY, 2 * gpus) + 1)
+                  if candidates(model, n, microbatches=microbatches)), None)
     fix = " or ".join(str(n) for n in (below, above) if n is not None)
     tail = (f"use a GPU count that has a layout, e.g. --gpus {fix}" if fix else
-            "no GPU count near this one has a layout either: check --heads, --layers, "
-            "--batch and --microbatches")
+            f"no GPU count within {NEARBY} of this one has a layout either: check --heads, "
+            "--layers, --batch and --microbatches")
     return "\n".join([head, *reasons, tail])
 
 
@@ -166,12 +175,15 @@ def main(argv: list[str]) -> int:
     try:
         model = Transformer(layers=args.layers, hidden=args.hidden, heads=args.heads,
                             seq=args.seq, vocab=args.vocab, global_batch=args.batch)
-        mbs = tuple(int(x) for x in args.microbatches.split(",") if x.strip())
+        mbs = tuple(count(1, args.batch)(x) for x in args.microbatches.split(",") if x.strip())
         a = Assumptions(matmul_efficiency=args.matmul_efficiency,
                         memory_efficiency=args.memory_efficiency,
                         recompute=not args.no_recompute, microbatches=mbs)
         topo = _topology(args)
         ranked = plan(model, args.gpus, topo, assumptions=a)
+    except argparse.ArgumentTypeError as e:
+        print(f"fuelspmd plan: --microbatches {args.microbatches}: {e}", file=sys.stderr)
+        return 2
     except (ConfigError, ValueError) as e:
         print(f"fuelspmd plan: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fuelspmd.cli.arguments import count, number
 from fuelspmd.errors import ConfigError, ScheduleError
 from fuelspmd.pipeline_parallel import SCHEDULE_KINDS, schedule, simulate
 from fuelspmd.pipeline_parallel.render import (
@@ -20,10 +21,19 @@ from fuelspmd.pipeline_parallel.render import (
     grid,
     narrowest_action_px,
     png,
+    png_height,
     width_for,
 )
 
-__all__ = ["main"]
+__all__ = ["MAX_CELLS", "MAX_PIXELS", "PNG_WIDTH", "main"]
+
+# The grid has a row per stage and a column per time step, about m * c + p of them: drawing,
+# validating and simulating a schedule cost about p * (m * c + p) cells, which this bound
+# keeps to seconds (docs/reliability.md has the times).
+MAX_CELLS = 1 << 15
+PNG_WIDTH = (100, 1 << 15)  # pixels: the rank labels need the first hundred
+MAX_PIXELS = 1 << 25  # a picture of at most 100 MiB of RGB
+MAX_TIME = 1e9  # an action's time, in any unit: finite
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,18 +42,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Draw a pipeline schedule and print its simulated bubble and memory.",
     )
     p.add_argument("--kind", default="1f1b", choices=SCHEDULE_KINDS)
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks p")
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches m per step")
-    p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved)")
-    p.add_argument("--t-f", type=float, default=1.0, help="forward time of a rank's model")
+    p.add_argument("--stages", type=count(1, MAX_CELLS), default=4, help="pipeline ranks p")
+    p.add_argument("--microbatches", type=count(1, MAX_CELLS), default=8,
+                   help="micro-batches m per step")
+    p.add_argument("--chunks", type=count(1, MAX_CELLS), default=None,
+                   help="model chunks per rank (interleaved)")
+    time = number(0.0, MAX_TIME, above=True)
+    p.add_argument("--t-f", type=time, default=1.0, help="forward time of a rank's model")
     p.add_argument(
-        "--t-b", type=float, default=1.0, help="backward time (input-gradient part for zb-h1)"
+        "--t-b", type=time, default=1.0, help="backward time (input-gradient part for zb-h1)"
     )
-    p.add_argument("--t-w", type=float, default=1.0, help="weight-gradient time (zb-h1)")
-    p.add_argument("--t-comm", type=float, default=0.0, help="time per hop between ranks")
+    p.add_argument("--t-w", type=time, default=1.0, help="weight-gradient time (zb-h1)")
+    p.add_argument("--t-comm", type=number(0.0, MAX_TIME), default=0.0,
+                   help="time per hop between ranks")
     p.add_argument("--png", type=Path, default=None, help="write a timeline picture here")
-    p.add_argument("--png-width", type=int, default=1200,
-                   help="the picture's width in pixels (default %(default)s)")
+    p.add_argument("--png-width", type=count(*PNG_WIDTH), default=1200,
+                   help=f"the picture's width in pixels, {PNG_WIDTH[0]} to {PNG_WIDTH[1]} "
+                        "(default %(default)s)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     return p
 
@@ -71,6 +86,13 @@ def main(argv: list[str]) -> int:
               f"{args.png.parent} does not exist", file=sys.stderr)
         return 2
     chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
+    cells = args.stages * (args.microbatches * chunks + args.stages)
+    if cells > MAX_CELLS:
+        print(f"fuelspmd schedule: --stages {args.stages} x (--microbatches "
+              f"{args.microbatches} x {chunks} chunk(s) + {args.stages} stages) is {cells} "
+              f"grid cells, more than the {MAX_CELLS} this command draws in seconds; give "
+              "fewer stages or micro-batches", file=sys.stderr)
+        return 2
     try:
         sched = schedule(args.kind, args.stages, args.microbatches, chunks)
         per = 1.0 / chunks
@@ -105,12 +127,21 @@ def main(argv: list[str]) -> int:
         + ("  (chunk activations, each 1/c of a rank's)" if c > 1 else "")
     )
     if args.png is not None:
+        height = png_height(p)
+        if args.png_width * height > MAX_PIXELS:
+            print(f"fuelspmd schedule: a {args.png_width} x {height} px picture is more than "
+                  f"the {MAX_PIXELS} px this command draws; give a smaller --png-width (at "
+                  f"most {MAX_PIXELS // height}) or fewer stages", file=sys.stderr)
+            return 2
         narrow = narrowest_action_px(timeline, args.png_width)
         if narrow < READABLE_PX:
+            fits = width_for(timeline)
+            fix = (f"give --png-width {fits} (or more), or fewer stages or micro-batches"
+                   if fits <= min(PNG_WIDTH[1], MAX_PIXELS // height) else
+                   "give fewer micro-batches: no picture this command draws is wide enough")
             print(f"fuelspmd schedule: warning: in a {args.png_width} px picture the shortest "
                   f"action is {narrow:.1f} px wide, so actions merge and carry no labels; "
-                  f"give --png-width {width_for(timeline)} (or more), or fewer stages or "
-                  "micro-batches", file=sys.stderr)
+                  f"{fix}", file=sys.stderr)
         try:
             args.png.write_bytes(png(timeline, width=args.png_width))
         except OSError as err:

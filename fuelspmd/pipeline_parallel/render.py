@@ -15,7 +15,7 @@ import numpy as np
 
 from fuelspmd.pipeline_parallel.simulate import Timeline
 
-__all__ = ["chrome_trace", "encode_png", "grid", "png"]
+__all__ = ["chrome_trace", "encode_png", "grid", "png", "png_height"]
 
 _ANSI = {"F": "34", "B": "32", "I": "36", "W": "33"}
 _RGB = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (0, 150, 170), "W": (230, 160, 0)}
@@ -132,6 +132,12 @@ def width_for(timeline: Timeline, px: float = READABLE_PX) -> int:
     return PNG_MARGIN + int(px / one + 0.999) if one > 0 else PNG_MARGIN + 1
 
 
+def png_height(stages: int, row: int = 28) -> int:
+    """The height in pixels of a :func:`png` of ``stages`` ranks: their rows and the legend."""
+    gap, scale = 6, 2
+    return gap + stages * (row + gap) + 5 * scale + 2 * gap
+
+
 def png(timeline: Timeline, *, width: int = 1200, row: int = 28) -> bytes:
     """A timeline picture: one row per rank, a rectangle per action coloured by kind
     (F blue, B green, I teal, W amber), lighter for later micro-batches, labelled with the
@@ -142,7 +148,7 @@ def png(timeline: Timeline, *, width: int = 1200, row: int = 28) -> bytes:
     span = timeline.makespan or 1.0
     px = (width - margin - 8) / span
     legend_y = gap + s.stages * (row + gap)
-    height = legend_y + 5 * scale + 2 * gap
+    height = png_height(s.stages, row)
     img = np.full((height, width, 3), 255, dtype=np.uint8)
     kinds = [k for k in _RGB if any(a.kind == k for a in timeline.start)]
     for n, kind in enumerate(kinds):  # legend: a swatch per kind present, then its letter

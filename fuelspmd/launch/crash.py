@@ -17,16 +17,18 @@ program those signals end, with one line and no traceback.
 from __future__ import annotations
 
 import atexit
-import errno
+import contextlib
 import faulthandler
 import os
 import signal
-import socket
+import stat
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn, Protocol
 
@@ -176,38 +178,68 @@ def _one_line(value: BaseException) -> str:
 class _FirstFailure:
     """Whether this rank is the first of its node's ranks in this job to fail.
 
-    The first binds an abstract unix socket named after the job (Linux; the name vanishes
-    with the process, so nothing is left behind); the others find the name taken. The
-    job is named by this process's parent, the launcher's process on this node that
-    started every rank here (Hydra's proxy, Open MPI's prted, slurmstepd), and its start
-    time. Where the socket cannot tell (another system, a program started through a
-    shell of its own), every rank counts as first: the cause is then printed too often,
-    never lost.
+    The first creates a file named after the job in this user's private directory
+    (:func:`private_dir`: mode 0700, owned by this user, so no other user can create the
+    name first or read it; ``O_EXCL`` makes exactly one rank the first); the others find it
+    there. The job is named by this process's parent, the launcher's process on this node
+    that started every rank here (Hydra's proxy, Open MPI's prted, slurmstepd), and its
+    start time. Where the directory cannot be had (another user made it, a read-only
+    temporary folder) or the parent cannot be read, every rank counts as first: the cause
+    is then printed too often, never lost. The files of ended jobs are removed by the next
+    failure that looks.
     """
 
     def __init__(self, rank: int, *, every: bool = False) -> None:
         self.rank = rank
         self.verbose = every
         parent = os.getppid()
-        self._name = f"\0fuelspmd-failure-{parent}-{_process_start(parent)}"
-        self._socket: socket.socket | None = None
+        start = _process_start(parent)
+        self._name = None if start is None else f"failure-{parent}-{start}"
         self._first: bool | None = None
 
     def claim(self) -> bool:
         """True when this rank prints in full: the first to fail here, or verbose."""
         if self._first is None:
             self._first = True
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            where = private_dir()
+            if where is not None and self._name is not None:
+                _forget_ended_jobs(where)
                 try:
-                    sock.bind(self._name)
-                    self._socket = sock  # held until the process ends
-                except OSError as e:
-                    sock.close()
-                    self._first = e.errno != errno.EADDRINUSE
-            except (OSError, AttributeError):  # no AF_UNIX here
-                pass
+                    fd = os.open(where / self._name, os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                                 0o600)
+                    os.write(fd, f"rank {self.rank} pid {os.getpid()}\n".encode())
+                    os.close(fd)
+                except FileExistsError:
+                    self._first = False
+                except OSError:  # a full or read-only folder: print, never lose the cause
+                    pass
         return self._first or self.verbose
+
+
+def private_dir() -> Path | None:
+    """This user's private folder for the job's failure channel, made if missing:
+    ``<tmp>/fuelspmd-<uid>``, a directory (not a link) of this user's, mode 0700. None when
+    what is there is not that (another user made it first): nothing in it could be
+    trusted to be this job's."""
+    path = Path(tempfile.gettempdir()) / f"fuelspmd-{os.geteuid()}"
+    with contextlib.suppress(FileExistsError, OSError):
+        os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def _forget_ended_jobs(where: Path) -> None:
+    """Remove the failure files of jobs whose launcher process has ended."""
+    for entry in where.glob("failure-*-*"):
+        _, pid, start = entry.name.split("-", 2)
+        if pid.isdigit() and str(_process_start(int(pid))) != start:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 def remove_shared_memory() -> list[str]:

@@ -52,10 +52,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import zlib
 from collections import Counter
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -73,7 +75,7 @@ from fuelspmd.comm.fingerprint import (
     peer,
     render,
 )
-from fuelspmd.comm.recorder import Recorder
+from fuelspmd.comm.recorder import IN_FLIGHT, Recorder, caller
 from fuelspmd.errors import (
     CollectiveMismatchError,
     CommError,
@@ -94,6 +96,7 @@ _TEXT = 2048  # bytes of an abort note's text
 #  issued, sent to you, recvd from you, fp, text]
 _NOTE = 4 + FP_LEN + _TEXT // 8
 _KINDS = (CollectiveMismatchError, CommTimeoutError, PeerAbortedError, CommError)
+_P2P = ("send", "recv")
 _HINT = ("every rank must issue the same collectives in the same order, and every send "
          "must meet a recv with the same tag, shape and dtype")
 
@@ -140,7 +143,7 @@ class Guard:
         if mode != "off" and self.size > 1:
             self.control = transport.split(0, transport.rank)
             agree(self.control, "GuardedTransport", timeout=self.timeout, mode=mode,
-                  group=self.group)
+                  group=self.group, recording=recorder is not None)
         control = self.control
         self._probe = (control.probe if control is not None  # type: ignore[attr-defined]
                        and "probe" in control.capabilities else None)
@@ -163,6 +166,11 @@ class Guard:
         self.dumped = False  # whether dump() wrote this rank's recorder out
         self.failed: str | None = None
         self._failed_kind: type[Exception] = CollectiveMismatchError
+        self._pinned: tuple[Any, ...] | None = None  # the ``cur`` marked waiting, with its line
+        if recorder is not None and control is not None:
+            # the members, so that a trace knows who never arrived, with a dump or without
+            members = self._gather([self.world_rank], "the members")[:, 0]
+            recorder.groups[self.group] = [int(m) for m in members]
 
     @property
     def checks(self) -> bool:
@@ -256,9 +264,26 @@ class Guard:
 
     # -- notes ------------------------------------------------------------------------
 
+    def doing(self) -> str | None:
+        """The operation this rank is in, described (None: in none of this group's)."""
+        return None if self.cur is None else f"{describe(self._encoded())} (group {self.group})"
+
+    def pin(self, frame: FrameType | None, state: str = "waiting") -> None:
+        """Mark the operation this rank is in as ``state`` in the recorder, once, with the
+        source line of the program's frame that issued it (from ``frame`` outwards)."""
+        cur = self.cur
+        if cur is None or cur is self._pinned or self.recorder is None or cur[4] < 0:
+            return
+        self._pinned = cur
+        if self.recorder.state(cur[4]) in IN_FLIGHT:
+            self.recorder.mark(cur[4], state, where=caller(frame))
+
     def watch(self) -> None:
-        """Called every slice of a wait: announce the operation once, read the peers'
-        notes; raise when they show the ranks out of step (see the module docstring)."""
+        """Called every slice of a wait: mark the operation waiting (with the caller's
+        line), announce it once, read the peers' notes; raise when they show the ranks out
+        of step (see the module docstring)."""
+        if self.cur is not self._pinned:
+            self.pin(sys._getframe(1))
         if self._probe is None or self.failed is not None:
             return
         if self.cur is not None and self._announced is not self.cur:
@@ -398,9 +423,8 @@ class Guard:
                 and p2p == (peer(note[4:4 + FP_LEN]) >= 0)]
         peers = [peer(mine)] if p2p else range(self.size)
         missing = [q for q in peers if q != self.rank and q not in here]
-        seen = "; ".join(f"last seen from rank {q}: " + (
-            "nothing" if (n := self._notes[q]) is None else "finished" if n[0] == _BYE else
-            f"waiting in {describe(n[4:4 + FP_LEN])}") for q in missing)
+        seen = "; ".join(f"last seen from rank {q}: {self._last_seen(q, mine)}"
+                         for q in missing)
         why = (f"rank(s) {missing} did not reach it within {limit:g} s ({seen}); they are "
                f"stuck in compute, dead, or waiting elsewhere" if missing else
                f"every rank is in it, but {what} did not complete within {limit:g} s: a rank "
@@ -408,6 +432,35 @@ class Guard:
         self.fail(f"{describe(mine) if mine is not None else what} on rank {self.rank} (group "
                   f"{self.group}): {why}; if it is only slow, raise the timeout",
                   CommTimeoutError)
+
+    def _last_seen(self, q: int, mine: np.ndarray | None) -> str:
+        """What rank ``q`` was last seen doing: its last note, or, when it sent none, the
+        last operation it is known to have joined (it has not waited a slice since)."""
+        note = self._notes[q]
+        if note is not None:
+            return "finished" if note[0] == _BYE else f"waiting in {describe(note[4:4 + FP_LEN])}"
+        if mine is not None and peer(mine) >= 0:
+            k = self._desc_n[q]
+            known = (f"its message #{k} to this rank was the last it sent" if k else
+                     "it has sent this rank nothing")
+        else:
+            c = -1 if mine is None else int(mine[CSEQ]) - 1
+            known = (f"it joined collective #{c}{self._collective_text(c)}, the group's last "
+                     "one every rank met" if c >= 0 else "it has joined no collective of "
+                     "this group")
+        return (f"{known}, and has not waited in an operation of this group since (it is in "
+                "compute or stuck in Python, or waiting in another group)")
+
+    def _collective_text(self, c: int) -> str:
+        """`` (OP SHAPE DTYPE, completed here N s ago)`` from the recorder, or ""."""
+        if self.recorder is None:
+            return ""
+        for rec in reversed(self.recorder.records()):
+            if (rec.fp.group, rec.cseq) == (self.group, c) and rec.fp.op not in _P2P:
+                ago = ("" if rec.t_done is None else
+                       f", completed here {time.time() - rec.t_done:.1f} s ago")
+                return f" ({rec.fp.op} {tuple(rec.fp.shape)} {rec.fp.dtype}{ago})"
+        return ""
 
     def fail_with(self, e: CommError) -> None:
         """Fail the guard for ``e``, raised by an operation or its check: ranks that
@@ -431,11 +484,12 @@ class Guard:
                 _, seq, cseq, _, rec, fp = self.cur
                 rec = self.recorder.push(fp, seq, cseq) if rec < 0 and fp is not None else rec
                 self.recorder.mark(rec, {CollectiveMismatchError: "mismatch",
-                                         CommTimeoutError: "timeout"}.get(kind, "failed"), text)
+                                         CommTimeoutError: "timeout"}.get(kind, "failed"), text,
+                                   where=caller(sys._getframe(1)))
             if tell:
                 self._abort()
             try:
-                self.dump(reason=text)
+                self.dump(reason=text, where=caller(sys._getframe(1)))
             except OSError as e:  # a failed dump must not hide the failure itself
                 self.failed = f"{text} (flight recorder dump failed: {e})"
         if raise_now:
@@ -450,12 +504,14 @@ class Guard:
                                          if issubclass(self._failed_kind, k)), 3),
                            text=self.failed or "")
 
-    def dump(self, *, reason: str = "") -> Path | None:
-        """Write the flight recorder to ``trace_dir``; None without either."""
+    def dump(self, *, reason: str = "", where: str = "", final: bool = True) -> Path | None:
+        """Write the flight recorder to ``trace_dir`` (see :meth:`Recorder.dump`); None
+        without either."""
         if self.recorder is None or self.trace_dir is None:
             return None
-        self.dumped = True
-        return self.recorder.dump(self.trace_dir, self.world_rank, reason=reason)
+        self.dumped = self.dumped or final
+        return self.recorder.dump(self.trace_dir, self.world_rank, reason=reason, where=where,
+                                  final=final)
 
     def bye(self, cseq: int, how: str = "") -> None:
         """Tell every peer (once) that this guard closes, after ``cseq`` collectives, and

@@ -16,6 +16,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from types import FrameType
 from typing import Any, NoReturn
 
 import numpy as np
@@ -34,7 +35,7 @@ from fuelspmd.transport import (
     check_peer,
 )
 
-__all__ = ["GuardedTransport", "GuardedWork", "bye_all"]
+__all__ = ["GuardedTransport", "GuardedWork", "bye_all", "pin_all"]
 
 _ndarray = np.ndarray
 _NOTHING = np.empty(0, np.int8)  # a barrier's "buffer", for its fingerprint
@@ -163,15 +164,23 @@ class GuardedTransport:
         if g.failed is not None:
             g.raise_if_failed()
         seq, cseq, check = self.seq, self.cseq, call.check
+        # recorded before it can block (a trace then names what a stuck rank is in); a
+        # caller's mistake, raised before anything is issued, takes the record back
+        rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         if check is None:  # off mode, or one rank
             work = method(*args)
-        else:  # recorded once issued (a caller's mistake raises before, and leaves none)
-            g.cur = (call.encoded, seq, cseq, 0, -1, call.fp)
+        else:
+            g.cur = (call.encoded, seq, cseq, 0, rec, call.fp)
             w = check.words
             w[1], w[2] = cseq, g.fence
             try:
                 if self._checked is not None:  # a caller's mistake raises before it
-                    work = self._checked(check, name, *args)
+                    try:
+                        work = self._checked(check, name, *args)
+                    except Exception as e:
+                        if not isinstance(e, CommError) and rec >= 0:
+                            g.recorder.retract(rec)  # type: ignore[union-attr]
+                        raise
                 else:
                     g.meet(check)
                     try:
@@ -187,16 +196,17 @@ class GuardedTransport:
                 g.fail_with(e)
                 raise
         self.seq, self.cseq = seq + 1, cseq + 1
-        return self._issued(call, work, seq, cseq, result)
+        return self._issued(call, work, seq, cseq, rec, result)
 
-    def _issued(self, call: _Call, work: Work, seq: int, cseq: int, result: Any) -> Work:
-        """The Work of collective ``seq``, just issued: the inner one where it completed
-        with nothing left to settle (no recorder, not debug), else a GuardedWork."""
+    def _issued(self, call: _Call, work: Work, seq: int, cseq: int, rec: int,
+                result: Any) -> Work:
+        """The Work of collective ``seq`` (recorder ticket ``rec``), just issued: the inner
+        one where it completed with nothing left to settle (no recorder, not debug), else a
+        GuardedWork."""
         g = self.guard
         if self._bare and (work is DONE or work.test()):
             g.cur = None
             return work
-        rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         return GuardedWork(g, work, call.encoded, seq, cseq, rec,
                            result=result if self._debug else None)
 
@@ -213,7 +223,9 @@ class GuardedTransport:
                 # the other ranks wait on; docs/reliability.md, the guard's cost)
                 seq, cseq, check = self.seq, self.cseq, call.check
                 assert check is not None  # _checked: checks are on
-                g.cur = (call.encoded, seq, cseq, 0, -1, call.fp)
+                recorder = g.recorder
+                rec = -1 if recorder is None else recorder.push(call.fp, seq, cseq)
+                g.cur = (call.encoded, seq, cseq, 0, rec, call.fp)
                 w = check.words
                 w[1], w[2] = cseq, g.fence
                 try:
@@ -221,11 +233,15 @@ class GuardedTransport:
                 except CommError as e:
                     g.fail_with(e)
                     raise
+                except Exception:
+                    if recorder is not None:
+                        recorder.retract(rec)
+                    raise
                 self.seq, self.cseq = seq + 1, cseq + 1
                 if work is DONE and self._bare:
                     g.cur = None
                     return work
-                return self._issued(call, work, seq, cseq, buf)
+                return self._issued(call, work, seq, cseq, rec, buf)
         else:
             rop = op if op.__class__ is ReduceOp else ReduceOp.parse(op)
             check_buffers("all_reduce", self.size, buf)
@@ -321,6 +337,19 @@ class GuardedTransport:
 
 
 _OPEN: weakref.WeakSet[GuardedTransport] = weakref.WeakSet()
+
+
+def pin_all(frame: FrameType | None) -> list[str]:
+    """Mark the operation each open guard is in as waiting, with the program's line from
+    ``frame`` (a signal's: where the main thread was), unless a slice of its wait did;
+    return those operations, described."""
+    ops = []
+    for t in list(_OPEN):
+        doing = t.guard.doing()
+        if doing is not None:
+            t.guard.pin(frame)
+            ops.append(doing)
+    return ops
 
 
 def bye_all(how: str = "") -> None:

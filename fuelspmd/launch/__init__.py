@@ -132,11 +132,15 @@ class World:
         """Count the distinct hosts in the job."""
         return len(set(self.nodes))
 
-    def dump_trace(self, *, reason: str = "") -> Path | None:
-        """Write this rank's flight recorder to ``trace_dir``; None without one (or no comm)."""
+    def dump_trace(self, *, reason: str = "", where: str = "",
+                   final: bool = False) -> Path | None:
+        """Write this rank's flight recorder to ``trace_dir``; None without one (or no comm).
+
+        ``where``: the program's line the rank is at; ``final``: the rank is ending
+        abnormally (the crash handler's dumps), not taking a look (SIGUSR1, on request)."""
         if not isinstance(self.transport, GuardedTransport) or self.trace_dir is None:
             return None
-        return self.transport.guard.dump(reason=reason)
+        return self.transport.guard.dump(reason=reason, where=where, final=final)
 
     def finalize(self) -> None:
         """Say bye on every guard (their peers learn that this rank finished), release the

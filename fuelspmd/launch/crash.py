@@ -34,6 +34,8 @@ from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
+from fuelspmd.comm.guarded import pin_all
+from fuelspmd.comm.recorder import caller
 from fuelspmd.transport import Transport
 
 __all__ = ["INTERRUPTED", "TERMINATED", "PeerWatch", "install_crash_handler",
@@ -50,7 +52,7 @@ class World(Protocol):
     transport: Transport
     trace_dir: str | None
 
-    def dump_trace(self, *, reason: str = "") -> Any: ...
+    def dump_trace(self, *, reason: str = "", where: str = "", final: bool = False) -> Any: ...
 
 
 _REPORT_PAUSE_S = 0.1  # a failing rank's pause between its report and the abort
@@ -92,21 +94,27 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     docs/reliability.md); faulthandler prints the dying rank's Python stack for the
     signals it can catch.
     """
-    on_term = signal.getsignal(signal.SIGTERM)
-    take_term = (on_term is signal.SIG_DFL
-                 and threading.current_thread() is threading.main_thread())
+    main = threading.current_thread() is threading.main_thread()
+    # the signals whose handlers are taken (the program's own are left alone)
+    taken = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)
+             if main and signal.getsignal(sig) is signal.SIG_DFL}
     previous = (sys.excepthook, threading.excepthook, sys.exit, faulthandler.is_enabled(),
-                on_term if take_term else None)
+                taken)
     first = _FirstFailure(world.rank, every=world.tracebacks == "all")
     prefix = f"[rank {world.rank}] "
 
     def report_and_abort(kind: type[BaseException], value: BaseException,
                          tb: TracebackType | None, where: str = "") -> None:
         code = INTERRUPTED if issubclass(kind, KeyboardInterrupt) else 1
+        if code == INTERRUPTED and main:  # Ctrl-C may reach a rank twice (its group, the
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # launcher): the first ends it
+        frame = _innermost(tb) if not where else _main_frame()
+        pin_all(frame)
+        at = caller(frame)
         full = first.claim()
         if code == INTERRUPTED:
-            lines = [f"{prefix}interrupted (SIGINT){where}; ending all {world.size} ranks, "
-                     f"exit status {code}"] if full else []
+            lines = [f"{prefix}interrupted (SIGINT){where} at {at}; ending all {world.size} "
+                     f"ranks, exit status {code}"] if full else []
             if first.verbose:
                 lines += _traceback_lines(prefix, kind, value, tb)
         elif full:
@@ -118,8 +126,8 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
                      f"init(tracebacks='all') prints every rank's)"]
         if lines:
             sys.stderr.write("\n".join(lines) + "\n")
-        _flush_then_abort(world, code, f"crash handler: unhandled {kind.__name__}{where}: "
-                          f"{value}", follower=not full)
+        why = ("SIGINT" if code == INTERRUPTED else f"unhandled {kind.__name__}{where}: {value}")
+        _flush_then_abort(world, code, f"crash handler: {why}", follower=not full, where=at)
 
     def excepthook(kind: type[BaseException], value: BaseException,
                    tb: TracebackType | None) -> None:
@@ -132,35 +140,64 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
         report_and_abort(args.exc_type, args.exc_value or args.exc_type(),
                          args.exc_traceback, where=f" in thread {name}")
 
-    def leaving(status: int, code: object, caller: str) -> None:
+    def leaving(status: int, code: object, where: str) -> None:
         full = first.claim()
-        if caller == "SIGTERM":
+        if code == "SIGTERM":
             if full:
-                sys.stderr.write(f"{prefix}terminated (SIGTERM); ending all {world.size} "
-                                 f"ranks, exit status {status}\n")
+                sys.stderr.write(f"{prefix}terminated (SIGTERM) at {where}; ending all "
+                                 f"{world.size} ranks, exit status {status}\n")
+            reason = "crash handler: SIGTERM"
         else:
             shown = "" if isinstance(code, int) else f" ({code})"
-            sys.stderr.write(f"{prefix}sys.exit({code!r}) at {caller}: exit status "
+            sys.stderr.write(f"{prefix}sys.exit({code!r}) at {where}: exit status "
                              f"{status}{shown}; aborting all {world.size} ranks\n")
-        _flush_then_abort(world, status, f"crash handler: sys.exit({code!r}) at {caller}",
-                          follower=not full)
+            reason = f"crash handler: sys.exit({code!r}) at {where}"
+        _flush_then_abort(world, status, reason, follower=not full, where=where)
 
     def exit_hook(code: object = None) -> NoReturn:
         frame = sys._getframe(1)
-        caller = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        raise _RankExit(code, caller=caller, on_exit=leaving)
+        raise _RankExit(code, caller=f"{frame.f_code.co_filename}:{frame.f_lineno}",
+                        on_exit=leaving)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise _RankExit(TERMINATED, caller="SIGTERM", on_exit=leaving)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's and a forwarded one
+        pin_all(frame)
+        raise _RankExit(TERMINATED, caller=caller(frame), on_exit=leaving, signal="SIGTERM")
+
+    def on_sigusr1(signum: int, frame: FrameType | None) -> None:
+        """Say where this rank is and dump its flight record; the job goes on."""
+        at, ops = caller(frame), pin_all(frame)
+        try:
+            path = world.dump_trace(reason=f"SIGUSR1 at {at}", where=at, final=False)
+        except (OSError, RuntimeError) as e:
+            path = f"(failed: {e})"
+        doing = "; in " + "; in ".join(ops) if ops else ", in no operation"
+        sys.stderr.write(f"{prefix}SIGUSR1: at {at}{doing}"
+                         + (f"; flight record {path}" if path else "") + "\n")
+        sys.stderr.flush()
 
     sys.excepthook = excepthook
     threading.excepthook = thread_hook
     sys.exit = exit_hook
-    if take_term:
-        signal.signal(signal.SIGTERM, on_sigterm)
+    for sig, handler in ((signal.SIGTERM, on_sigterm), (signal.SIGUSR1, on_sigusr1)):
+        if sig in taken:
+            signal.signal(sig, handler)
     if not previous[3]:
         faulthandler.enable(all_threads=True)
     return previous
+
+
+def _innermost(tb: TracebackType | None) -> FrameType | None:
+    """The frame an exception was raised in (the last of its traceback)."""
+    frame = None
+    while tb is not None:
+        frame, tb = tb.tb_frame, tb.tb_next
+    return frame
+
+
+def _main_frame() -> FrameType | None:
+    """The main thread's current frame (read from another thread)."""
+    return sys._current_frames().get(threading.main_thread().ident or 0)
 
 
 def _traceback_lines(prefix: str, kind: type[BaseException], value: BaseException,
@@ -270,7 +307,7 @@ def remove_shared_memory() -> list[str]:
 
 
 def _flush_then_abort(world: World, code: int, reason: str = "", *,
-                      follower: bool = False) -> NoReturn:
+                      follower: bool = False, where: str = "") -> NoReturn:
     """Dump the flight recorder, flush the report, let the launcher forward it, then abort.
 
     The dump comes first: the abort ends every rank, this one included, and a failed dump
@@ -284,7 +321,7 @@ def _flush_then_abort(world: World, code: int, reason: str = "", *,
     waits ``_FOLLOWER_WAIT_S`` for that abort, so the launcher reports one abort, not N.
     """
     try:
-        world.dump_trace(reason=reason or f"abort({code})")
+        world.dump_trace(reason=reason or f"abort({code})", where=where, final=True)
     except (OSError, RuntimeError) as e:  # RuntimeError: the ring moved under a thread's dump
         sys.stderr.write(f"[rank {world.rank}] flight recorder dump to {world.trace_dir} "
                          f"failed: {e}\n")
@@ -297,11 +334,12 @@ def _flush_then_abort(world: World, code: int, reason: str = "", *,
 
 def remove_crash_handler(previous: tuple[Any, ...]) -> None:
     """Put back what :func:`install_crash_handler` replaced."""
-    sys.excepthook, threading.excepthook, sys.exit, had_faulthandler, on_term = previous
+    sys.excepthook, threading.excepthook, sys.exit, had_faulthandler, taken = previous
     if not had_faulthandler:
         faulthandler.disable()
-    if on_term is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in taken.items():
+            signal.signal(sig, handler)
 
 
 class _RankExit(SystemExit):
@@ -315,10 +353,11 @@ class _RankExit(SystemExit):
     """
 
     def __init__(self, code: object, *, caller: str,
-                 on_exit: Callable[[int, object, str], None]) -> None:
+                 on_exit: Callable[[int, object, str], None], signal: str = "") -> None:
         super().__init__(code)
         self._caller = caller
         self._on_exit = on_exit
+        self._signal = signal  # the signal that raised it, else "" (a sys.exit)
 
     @property  # type: ignore[override]
     def code(self) -> object:
@@ -328,7 +367,7 @@ class _RankExit(SystemExit):
         except ValueError:  # no Python frame: the interpreter itself is exiting
             status = value if isinstance(value, int) else (0 if value is None else 1)
             if status != 0:
-                self._on_exit(status, value, self._caller)
+                self._on_exit(status, self._signal or value, self._caller)
         return value
 
 
@@ -411,7 +450,9 @@ class PeerWatch:
                 continue
             world = self._world
             names = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
-            sys.stderr.write(f"[rank {world.rank}] {names} on this node died without "
-                             f"finalizing and the launcher did not end the job; aborting "
-                             f"all {world.size} ranks\n")
-            _flush_then_abort(world, 1, f"peer watch: {names} died")
+            sys.stderr.write(f"[rank {world.rank}] {names} on this node ({world.node}) died "
+                             f"without finalizing and the launcher did not end the job; "
+                             f"aborting all {world.size} ranks\n")
+            frame = _main_frame()
+            pin_all(frame)
+            _flush_then_abort(world, 1, f"peer watch: {names} died", where=caller(frame))

@@ -49,7 +49,7 @@ SIGKILL_SEEN = {
 # send SIGTERM first) or the peer watch of a plain srun.
 SEGMENTS_KEPT = {("mpich", "abort"), ("mpich", "sigkill")}
 # the peer watch of fs.init() on a surviving rank, when the launcher did not end the job
-WATCH = r"\[rank \d+\] rank {r} \(pid \d+\) on this node died without finalizing"
+WATCH = r"\[rank \d+\] rank {r} \(pid \d+\) on this node \(\S+\) died without finalizing"
 
 
 def check(o: Outcome) -> None:

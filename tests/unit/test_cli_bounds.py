@@ -104,3 +104,26 @@ def test_info_prints_nothing_on_stderr() -> None:
     assert job.code == 0, job.err
     assert job.err == "", job.err
     assert "nccl" in job.out
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    ({"rank": "x"}, "field rank is 'x', not a whole number >= 0"),
+    ({"rank": -1}, "field rank is -1"),
+    ({"rank": True}, "field rank is True"),
+    ({"records": {}}, "field records is {}, not a list"),
+    ({"records": [{"op": "all_reduce"}]}, "field records[0].seq is None"),
+    ({"groups": {"g": [0]}}, "field groups is"),
+])
+def test_trace_refuses_a_dump_it_cannot_read(tmp_path: Path, edit: dict[str, object],
+                                             said: str) -> None:
+    import json
+
+    from fuelspmd.comm import Fingerprint, Recorder
+
+    rec = Recorder()
+    rec.mark(rec.push(Fingerprint(0, "all_reduce", (8,), "float32", "sum", group=1)),
+             "completed")
+    path = rec.dump(tmp_path, 0)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    job = run_job([*FUELSPMD, "trace", str(tmp_path)], deadline=60)
+    assert job.code == 2 and said in job.err and "Traceback" not in job.err, job.err

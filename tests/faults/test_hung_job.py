@@ -1,0 +1,171 @@
+"""Who is stuck where: a hung job's flight records, read by ``fuelspmd trace`` (issue 41).
+
+``hang_job.py`` runs 4 ranks under a real launcher with ``trace_dir``: rank 2 gets stuck
+in Python (``time.sleep``) while ranks 0, 1 and 3 wait in collective #20. Before, the
+collective a rank was blocked in was not in its record (records were pushed after the
+meeting), SIGINT wrote no record under some launchers, and ``fuelspmd trace`` said
+"collectives #0..#19 line up" and exited 0. Now each way a hung job ends or is looked at
+must leave records from which the trace names the operation where the ranks part, the rank
+that never arrived and where it was instead, each with its source line, and exits 1:
+
+- SIGTERM to every rank (a scheduler's time limit, ``timeout``, ``scancel``);
+- SIGINT to the launcher (Ctrl-C);
+- SIGUSR1 to every rank: each says where it is and dumps, and the job goes on;
+- the deadline: ``fs.init(timeout=3)``, the waiting ranks' CommTimeoutError says what the
+  stuck rank was last seen doing (it said "nothing").
+
+CI runs them under MPICH's ``mpiexec``; the long run (``python tests/run.py --long``) also
+under Open MPI's ``mpiexec`` and ``srun``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from budget import long_only
+from faultjobs import Launcher, mpich_launcher, openmpi_launcher
+from hung import Background, line_of
+
+from fuelspmd.cli.trace import main as trace_main
+
+JOB = Path(__file__).with_name("hang_job.py")
+STUCK, WAIT = line_of(JOB, "<- STUCK"), line_of(JOB, "<- WAIT")
+IN_RECV = line_of(JOB, "<- IN RECV")
+pytestmark = pytest.mark.timeout(180)
+
+
+def _launcher(name: str, request: pytest.FixtureRequest) -> Launcher:
+    if name == "mpich":
+        return mpich_launcher()
+    if name == "openmpi":
+        return openmpi_launcher()
+    return request.getfixturevalue("srun_launcher")  # type: ignore[no-any-return]
+
+
+LAUNCHERS = [pytest.param("mpich"), pytest.param("openmpi", marks=long_only),
+             pytest.param("srun", marks=[long_only, pytest.mark.slurm])]
+
+
+def _trace(where: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, dict]:
+    capsys.readouterr()
+    code = trace_main([str(where)])
+    text = capsys.readouterr().out
+    trace_main([str(where), "--json"])
+    return code, text, json.loads(capsys.readouterr().out)
+
+
+def _names_the_stuck_rank(text: str, doc: dict, *, final: bool) -> None:
+    """The trace's verdict on hang_job.py's records: collective #20, rank 2 missing, at
+    its time.sleep; the others in the all_reduce at their line."""
+    assert "FIRST DIFFERENCE at collective #20" in text, text
+    assert re.search(rf"ranks 0, 1, 3: op #20 all_reduce .*\[(waiting|timeout)\] at "
+                     rf"\S*hang_job\.py:{WAIT} in main", text), text
+    assert re.search(rf"rank 2 never issued collective #20 .*: it was at \S*hang_job\.py:"
+                     rf"{STUCK} in main, in no operation", text), text
+    (d,) = doc["differences"]
+    assert d["cseq"] == 20 and d["missing"] == [2], d
+    assert f"hang_job.py:{STUCK}" in d["instead"]["2"], d
+    assert (doc["ended_badly"] == [0, 1, 2, 3]) == final, doc
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_hung_job_ended_by_a_signal_names_the_stuck_rank(
+        launcher: str, how: str, tmp_path: Path, request: pytest.FixtureRequest,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with Background(_launcher(launcher, request), 4, [str(JOB), str(tmp_path / "trace")],
+                    tmp_path) as job:
+        pids = job.ready(4)
+        time.sleep(0.5)  # the waiting ranks are past their first slice
+        start = time.monotonic()
+        if how == "SIGTERM":  # as Slurm's time limit does: every task
+            job.signal_ranks(pids, signal.SIGTERM)
+        else:  # Ctrl-C: the launcher forwards it
+            job.signal_launcher(signal.SIGINT)
+        code, output = job.wait(60)
+        took = time.monotonic() - start
+    assert code != 0, output
+    assert took < 20, f"{took:.1f} s\n{output}"
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
+        f"rank{r}.json" for r in range(4)], output
+    code, text, doc = _trace(tmp_path / "trace", capsys)
+    assert code == 1, text
+    _names_the_stuck_rank(text, doc, final=True)
+    assert "the job did not end cleanly" in text
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_sigusr1_shows_where_every_rank_is_and_the_job_goes_on(
+        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with Background(_launcher(launcher, request), 4, [str(JOB), str(tmp_path / "trace")],
+                    tmp_path) as job:
+        pids = job.ready(4)
+        time.sleep(0.5)
+        job.signal_ranks(pids, signal.SIGUSR1)
+        said = job.wait_for(r"\[rank (\d)\] SIGUSR1: at .*", 4)
+        assert job.running(), job.output()
+        code, text, doc = _trace(tmp_path / "trace", capsys)
+        job.signal_ranks(pids, signal.SIGTERM)
+        job.wait(60)
+    assert code == 1, text  # the ranks part at #20: a hang, whatever the dumps' reason
+    _names_the_stuck_rank(text, doc, final=False)
+    by_rank = {int(m[1]): m[0] for m in said}
+    assert f"hang_job.py:{STUCK} in main, in no operation" in by_rank[2], by_rank
+    for r in (0, 1, 3):
+        assert re.search(rf"hang_job\.py:{WAIT} in main; in all_reduce op #20 \(collective "
+                         r"#20\) .*; flight record \S*rank\d\.json", by_rank[r]), by_rank
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_deadline_says_what_the_stuck_rank_was_last_seen_doing(
+        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with Background(_launcher(launcher, request), 4,
+                    [str(JOB), str(tmp_path / "trace"), "--timeout", "3"], tmp_path) as job:
+        job.ready(4)
+        code, output = job.wait(60)
+    assert code != 0, output
+    seen = re.findall(r"rank\(s\) \[2\] did not reach it within 3 s \(last seen from rank 2: "
+                      r"([^;]*)", output)
+    assert seen, output
+    assert all("it joined collective #19 (all_reduce (8,) float32, completed here" in s
+               and "has not waited in an operation of this group since" in s
+               for s in seen), seen
+    assert "last seen from rank 2: nothing" not in output
+    code, text, doc = _trace(tmp_path / "trace", capsys)
+    assert code == 1, text  # rank 2, asleep, was ended by the abort and wrote nothing
+    assert ("rank 2 left no dump (killed, or ended by the job's abort before it could "
+            "write), so never reported reaching collective #20, which ranks 0, 1, 3 reached"
+            in text), text
+    assert re.search(rf"rank 0: op #20 all_reduce .*\[timeout\] at \S*hang_job\.py:{WAIT} "
+                     r"in main: .*rank\(s\) \[2\] did not reach it", text), text
+    assert doc["differences"][0]["missing"] == [2], doc
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS[:1])
+def test_a_rank_waiting_for_the_stuck_one_is_named_with_its_operation(
+        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 3 is stuck in Python and rank 2 waits in a recv of its next message, while
+    ranks 0 and 1 wait in collective #20: the trace says where each of the two was."""
+    with Background(_launcher(launcher, request), 4,
+                    [str(JOB), str(tmp_path / "trace"), "--in-recv"], tmp_path) as job:
+        pids = job.ready(4)
+        time.sleep(0.5)
+        job.signal_ranks(pids, signal.SIGTERM)
+        job.wait(60)
+    code, text, _ = _trace(tmp_path / "trace", capsys)
+    assert code == 1, text
+    assert re.search(rf"rank 2 never issued collective #20 .*: it was in op #20 recv .*src=3 "
+                     rf"dst=2 .*\[waiting\] at \S*hang_job\.py:{IN_RECV} in main", text), text
+    assert re.search(rf"rank 3 never issued collective #20 .*: it was at \S*hang_job\.py:"
+                     rf"{STUCK} in main, in no operation", text), text

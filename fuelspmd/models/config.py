@@ -92,7 +92,8 @@ def check_fields(owner: str, values: dict[str, Any], kinds: dict[str, str]) -> N
     bad = [f"{k}={values[k]!r} (give {_KINDS[kind]})" for k, kind in kinds.items()
            if k in values and not _fits(kind, values[k])]
     if bad:
-        raise ConfigError(f"{owner}: config.json has {', '.join(bad)}")
+        raise ConfigError(f"{owner}: config.json has {', '.join(bad)}; give each field a "
+                          "value of its kind")
 
 
 def _heads(owner: str, hidden: int, heads: int, kv: int, head_dim: int | None,

@@ -65,7 +65,8 @@ def read_json(root: Path, name: str, what: str, limit: int = 64 << 20) -> dict[s
     with os.fdopen(fd, "rb") as f:
         raw = f.read(limit + 1)
     if len(raw) > limit:
-        raise ConfigError(f"{root / name}: more than {limit} bytes; not a {what}")
+        raise ConfigError(f"{root / name}: more than {limit} bytes, so not a {what}; give "
+                          "the directory its own file")
     try:
         d = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -98,8 +99,8 @@ class SafetensorsReader:
             d = read_json(root, INDEX, "weight index")
             weight_map = d.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise ConfigError(f"{root / INDEX}: 'weight_map' is {str(weight_map)[:60]!r}, "
-                                  "not a map of tensor names to file names")
+                raise ConfigError(f"{root / INDEX}: 'weight_map' is {str(weight_map)[:60]!r}; "
+                                  "it must be a map of tensor names to file names")
             for name, f in weight_map.items():
                 if not (plain_name(f) and str(f).endswith(".safetensors")):
                     raise ConfigError(f"{root / INDEX}: tensor {name!r} is in {f!r}, which is no "

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import fuelspmd as fs
+
 
 def _world() -> tuple[int, int]:
     from mpi4py import MPI
@@ -29,3 +31,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def world() -> fs.World:
+    """The run's one world, shared by every module: a process calls ``fs.init()`` with one
+    set of arguments (another set is a ConfigError), and every wait has this deadline."""
+    return fs.init(timeout=60.0)

@@ -27,11 +27,6 @@ import checkpoint_programs as cp
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=30.0)
-
-
 @pytest.fixture
 def shared(world: fs.World) -> Iterator[Path]:
     """A directory every rank of the job sees (made by rank 0, its name all-gathered)."""

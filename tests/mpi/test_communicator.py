@@ -24,11 +24,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 TIMEOUT = 20.0
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
-
-
 def test_every_collective_matches_numpy(world: fs.World) -> None:
     comm = world.comm
     got = P.every_collective(comm, P.rank_input(comm.rank, comm.size))

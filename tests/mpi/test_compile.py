@@ -20,12 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compile_programs as P
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
-TIMEOUT = 20.0
-
-
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
 
 
 def test_tp_compiled_equals_uncompiled(world: fs.World) -> None:

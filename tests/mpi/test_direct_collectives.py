@@ -17,11 +17,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 TIMEOUT = 20.0
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
-
-
 def _value(k: int, r: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng([k, r]).standard_normal(shape).astype(np.float32)
 

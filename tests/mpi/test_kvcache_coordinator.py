@@ -16,11 +16,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=20.0)
-
-
 def _two_or_more(world: fs.World, blocks: int, *, every: int
                  ) -> tuple[fs.Communicator, KVCacheManager, KVCacheCoordinator]:
     """The world's comm and a checked manager of ``blocks`` blocks; skip at one rank (one

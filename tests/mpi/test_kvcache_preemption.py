@@ -27,11 +27,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 NEW, BS, SMALL = 8, 4, 6
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=60.0)
-
-
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_preempted_tokens_equal_transformers_at_tp_world(world: fs.World, name: str) -> None:
     if world.size not in (1, 2, 4):

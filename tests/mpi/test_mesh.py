@@ -25,12 +25,6 @@ import mesh_programs as M
 import pipeline_programs as P
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
-TIMEOUT = 20.0
-
-
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
 
 
 def test_every_factorization_places_tp_fastest(world: fs.World) -> None:

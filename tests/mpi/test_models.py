@@ -34,11 +34,6 @@ NAMES = ["gpt2", "llama", "llama_tied", "llama_head_dim"]
 NEW = 6
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=60.0)
-
-
 def _bcast(value: Any) -> Any:
     from mpi4py import MPI
 

@@ -20,11 +20,6 @@ from budget import bcast_from_rank0
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=20.0)
-
-
 @pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_grad_norm_is_torchs_on_the_unsharded_model(world: fs.World,
                                                           max_norm: float) -> None:

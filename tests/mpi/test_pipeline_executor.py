@@ -22,18 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipeline_programs as P
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
-TIMEOUT = 20.0
 KINDS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 
 
 def _micro(size: int) -> int:
     """At least 4 micro-batches, a multiple of the stages (interleaved needs one)."""
     return size * -(-4 // size)
-
-
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize(("kind", "chunks"), KINDS)

@@ -22,13 +22,7 @@ import tp_programs as P
 from budget import bcast_from_rank0
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
-TIMEOUT = 20.0
 LOOSE = {"attention": dict(rtol=1e-6, atol=1e-7)}  # its reference is finite differences
-
-
-@pytest.fixture(scope="module")
-def world() -> fs.World:
-    return fs.init(timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("case", sorted(P.CASES))

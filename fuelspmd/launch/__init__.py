@@ -23,10 +23,13 @@ launcher said.
 One failure ends the job: ``init`` installs an exception hook that prints the traceback
 once, each line prefixed with ``[rank R]``, and aborts the transport, so ``mpiexec`` returns
 non-zero within seconds instead of leaving the other ranks blocked in a collective. A
-non-zero ``sys.exit`` aborts the same way; a rank killed by a signal is the launcher's to
-notice, and where the launcher does not (a plain ``srun``), the ranks on its node notice
-its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`). docs/reliability.md has
-the measured matrix.
+non-zero ``sys.exit`` aborts the same way. Under a launcher the process splits before the
+transport starts, and the launcher's own child supervises the rank
+(:mod:`~fuelspmd.launch.supervise`): a rank killed by a signal, or that leaves without
+finalising (``os._exit``), is named with its host and how it ended, and the job fails;
+where the launcher does not then end the others (a plain ``srun``), the ranks on its node
+notice its death and abort (:class:`~fuelspmd.launch.crash.PeerWatch`).
+docs/reliability.md has the measured matrix.
 
 ``world.transport`` is checked (:class:`~fuelspmd.comm.GuardedTransport`, the mode of
 ``init(check=...)``): no rank hands MPI a collective its peers disagree on. Only
@@ -76,6 +79,7 @@ from fuelspmd.launch.places import (
     gather_places,
     local_rank,
 )
+from fuelspmd.launch.supervise import FINALIZED, supervise, tell
 from fuelspmd.transport import SelfTransport, Transport, find_transports, load_plugin
 
 __all__ = ["LaunchInfo", "World", "current", "detect_launcher", "init"]
@@ -156,6 +160,7 @@ class World:
         bye_all()  # on every guard of the job, the splits' too: their peers learn of it now
         if "finalize" in self.transport.capabilities:
             self.transport.finalize()  # type: ignore[attr-defined]
+        tell(FINALIZED)  # this rank's supervisor: it may now end in any way, silently
         if _WORLD is self:
             _WORLD = None
 
@@ -257,6 +262,8 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
         return _WORLD
     _check_arguments(asked)
     info = detect_launcher()
+    if info.launcher != "none" and info.size > 1:
+        supervise(info.rank)  # the process splits: the launcher's child supervises this rank
     if device != "auto":
         _device_exists(as_device(device))
     to_numpy(bfloat16)  # its import (ml_dtypes) is local work, not a wait the deadline is for

@@ -2,16 +2,20 @@
 
 The crash handler prints the cause once (each line prefixed ``[rank R]``), dumps the flight
 recorder when a ``trace_dir`` is set, removes the job's MPI shared-memory files, and aborts
-the transport; a non-zero ``sys.exit`` takes the same road. A rank killed by a signal is
-the launcher's to notice; where the launcher does not (a plain ``srun``),
-:class:`PeerWatch` on the same node does.
+the transport; a non-zero ``sys.exit`` takes the same road. A rank killed by a signal, or
+that leaves with ``os._exit``, runs no Python: its supervisor names it
+(:mod:`fuelspmd.launch.supervise`) and the launcher ends the job; where the launcher does
+not (a plain ``srun``), :class:`PeerWatch` on the same node does.
 
 Once, not once per rank: a ConfigError that every rank raises (invariant 4: bad input fails
 the same way everywhere) would otherwise print the same traceback N times. The first rank
 of a node to fail prints its traceback; the others print one line each and leave the
 abort to it (``fs.init(tracebacks="all")`` makes every rank print its whole traceback). Ctrl-C
 (SIGINT) ends the job with status 130 and SIGTERM with 143, the statuses a shell gives a
-program those signals end, with one line and no traceback.
+program those signals end, with one line naming the program's line and no traceback; a
+signal that comes again within a second (a terminal's Ctrl-C reaches the rank through its
+process group and through the launcher) is the same request. SIGUSR1 prints where the rank
+is and the operation it is in, dumps the flight recorder, and the job goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 
 from fuelspmd.comm.guarded import pin_all
 from fuelspmd.comm.recorder import caller
+from fuelspmd.launch.supervise import REPORTED, launcher_pid, tell
 from fuelspmd.transport import Transport
 
 __all__ = ["INTERRUPTED", "TERMINATED", "PeerWatch", "install_crash_handler",
@@ -56,6 +61,7 @@ class World(Protocol):
 
 
 _REPORT_PAUSE_S = 0.1  # a failing rank's pause between its report and the abort
+_AGAIN_S = 1.0  # a signal delivered again within this is the same request (a group's)
 # a rank that failed after another of its node has this long for that rank's abort to end
 # it before it aborts itself (the first one may be stuck writing its flight recorder)
 _FOLLOWER_WAIT_S = 2.0
@@ -72,7 +78,7 @@ _LAUNCHER_GRACE_S = 3.0
 
 def install_crash_handler(world: World) -> tuple[Any, ...]:
     """Make an unhandled exception, a non-zero ``sys.exit``, Ctrl-C or SIGTERM on any rank
-    end the whole job.
+    end the whole job, and SIGUSR1 say where the rank is.
 
     The cause is printed once (see the module docstring), by the failing rank, each line
     prefixed with its rank; then the transport aborts every rank (MPI_Abort), so nobody is
@@ -87,7 +93,8 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     stack; a non-zero status is then an abort. A SystemExit that the program catches
     (argparse's in a test, say) is read, if at all, from Python code, and changes nothing.
     SIGTERM raises the same exception with status 143 (unless the program set a handler of
-    its own), so the program's ``finally`` blocks run before the job ends.
+    its own), so the program's ``finally`` blocks run before the job ends; the program's
+    own handlers of SIGINT and SIGUSR1 are left alone too.
     ``os.abort()``, a segmentation fault or SIGKILL end the process without running any
     Python: the launcher notices the death and kills the other ranks (measured for
     MPICH's Hydra, Open MPI's mpirun and ``srun --kill-on-bad-exit=1`` in
@@ -96,8 +103,19 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     """
     main = threading.current_thread() is threading.main_thread()
     # the signals whose handlers are taken (the program's own are left alone)
-    taken = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)
-             if main and signal.getsignal(sig) is signal.SIG_DFL}
+    taken = {sig: signal.getsignal(sig) for sig, default in (
+        (signal.SIGTERM, signal.SIG_DFL), (signal.SIGUSR1, signal.SIG_DFL),
+        (signal.SIGINT, signal.default_int_handler)) if main and signal.getsignal(sig) is default}
+    taken_at: dict[int, float] = {}
+
+    def again(signum: int) -> bool:
+        """Whether ``signum`` is the same request delivered again: a terminal's Ctrl-C
+        reaches the rank and its launcher's process group, which forward it too."""
+        now = time.monotonic()
+        if now - taken_at.get(signum, -_AGAIN_S) < _AGAIN_S:
+            return True
+        taken_at[signum] = now
+        return False
     previous = (sys.excepthook, threading.excepthook, sys.exit, faulthandler.is_enabled(),
                 taken)
     first = _FirstFailure(world.rank, every=world.tracebacks == "all")
@@ -106,8 +124,8 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     def report_and_abort(kind: type[BaseException], value: BaseException,
                          tb: TracebackType | None, where: str = "") -> None:
         code = INTERRUPTED if issubclass(kind, KeyboardInterrupt) else 1
-        if code == INTERRUPTED and main:  # Ctrl-C may reach a rank twice (its group, the
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # launcher): the first ends it
+        if code == INTERRUPTED and main:  # the job is ending: a later Ctrl-C changes nothing
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         frame = _innermost(tb) if not where else _main_frame()
         pin_all(frame)
         at = caller(frame)
@@ -160,9 +178,14 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
                         on_exit=leaving)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's and a forwarded one
+        if again(signum):
+            return
         pin_all(frame)
         raise _RankExit(TERMINATED, caller=caller(frame), on_exit=leaving, signal="SIGTERM")
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if not again(signum):
+            raise KeyboardInterrupt
 
     def on_sigusr1(signum: int, frame: FrameType | None) -> None:
         """Say where this rank is and dump its flight record; the job goes on."""
@@ -179,7 +202,8 @@ def install_crash_handler(world: World) -> tuple[Any, ...]:
     sys.excepthook = excepthook
     threading.excepthook = thread_hook
     sys.exit = exit_hook
-    for sig, handler in ((signal.SIGTERM, on_sigterm), (signal.SIGUSR1, on_sigusr1)):
+    for sig, handler in ((signal.SIGTERM, on_sigterm), (signal.SIGUSR1, on_sigusr1),
+                         (signal.SIGINT, on_sigint)):
         if sig in taken:
             signal.signal(sig, handler)
     if not previous[3]:
@@ -229,7 +253,7 @@ class _FirstFailure:
     def __init__(self, rank: int, *, every: bool = False) -> None:
         self.rank = rank
         self.verbose = every
-        parent = os.getppid()
+        parent = launcher_pid()
         start = _process_start(parent)
         self._name = None if start is None else f"failure-{parent}-{start}"
         self._first: bool | None = None
@@ -320,6 +344,7 @@ def _flush_then_abort(world: World, code: int, reason: str = "", *,
     ``follower`` (a rank that failed after another of its node, which aborts the job)
     waits ``_FOLLOWER_WAIT_S`` for that abort, so the launcher reports one abort, not N.
     """
+    tell(REPORTED)  # the supervisor has nothing to add to this rank's end
     try:
         world.dump_trace(reason=reason or f"abort({code})", where=where, final=True)
     except (OSError, RuntimeError) as e:  # RuntimeError: the ring moved under a thread's dump

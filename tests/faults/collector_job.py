@@ -47,9 +47,13 @@ VARIANTS = ("collect", "threshold1", "threshold0", "inwait")
 _DEFAULT = gc.get_threshold()
 
 
+_HEAP: list[list[int]] = []
+
+
 def big_heap() -> list[list[int]]:
-    """Objects enough that a full collection takes at least three of the guard's slices."""
-    heap: list[list[int]] = []
+    """Objects enough that a full collection takes at least three of the guard's slices
+    (made once, kept for the variants after)."""
+    heap = _HEAP
     while len(heap) < 8_000_000:
         heap.extend([i] for i in range(500_000))
         start = time.monotonic()
@@ -76,9 +80,9 @@ def variant(name: str) -> tuple[Callable[[], None], Callable[[], None]]:
     if name == "threshold0":
         gc.set_threshold(0)
         return lambda: None, lambda: gc.set_threshold(*_DEFAULT)
-    heap = big_heap()
+    big_heap()
     if name == "collect":
-        return gc.collect, heap.clear
+        return gc.collect, lambda: None
     main, stop = threading.main_thread().ident, threading.Event()
 
     def collect_in_waits() -> None:
@@ -95,7 +99,6 @@ def variant(name: str) -> tuple[Callable[[], None], Callable[[], None]]:
     def undo() -> None:
         stop.set()
         helper.join()
-        heap.clear()
 
     return lambda: None, undo
 
@@ -176,6 +179,7 @@ def main() -> int:
         finally:
             undo()
         world.print(f"VARIANT {name} ok in {time.monotonic() - start:.1f} s")
+    _HEAP.clear()
     return 0
 
 

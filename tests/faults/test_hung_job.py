@@ -8,9 +8,10 @@ meeting), SIGINT wrote no record under some launchers, and ``fuelspmd trace`` sa
 must leave records from which the trace names the operation where the ranks part, the rank
 that never arrived and where it was instead, each with its source line, and exits 1:
 
-- SIGTERM to every rank (a scheduler's time limit, ``timeout``, ``scancel``);
-- SIGINT to the launcher (Ctrl-C);
-- SIGUSR1 to every rank: each says where it is and dumps, and the job goes on;
+- SIGUSR1 to every rank: each says where it is and dumps, and the job goes on; then
+  SIGTERM to every rank (a scheduler's time limit, ``timeout``, ``scancel``) ends it;
+- SIGINT to the launcher (Ctrl-C), with rank 3 stuck and rank 2 waiting in a recv of its
+  message: the trace gives each its own place;
 - the deadline: ``fs.init(timeout=3)``, the waiting ranks' CommTimeoutError says what the
   stuck rank was last seen doing (it said "nothing").
 
@@ -77,52 +78,63 @@ def _names_the_stuck_rank(text: str, doc: dict, *, final: bool) -> None:
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
-def test_a_hung_job_ended_by_a_signal_names_the_stuck_rank(
-        launcher: str, how: str, tmp_path: Path, request: pytest.FixtureRequest,
+def test_sigusr1_shows_where_every_rank_is_and_sigterm_ends_the_job(
+        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
         capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGUSR1 to every rank: each says where it is and dumps, and the job goes on; then
+    SIGTERM to every rank (a scheduler's time limit) ends it, and the dumps say so."""
     with Background(_launcher(launcher, request), 4, [str(JOB), str(tmp_path / "trace")],
                     tmp_path) as job:
         pids = job.ready(4)
         time.sleep(0.5)  # the waiting ranks are past their first slice
-        start = time.monotonic()
-        if how == "SIGTERM":  # as Slurm's time limit does: every task
-            job.signal_ranks(pids, signal.SIGTERM)
-        else:  # Ctrl-C: the launcher forwards it
-            job.signal_launcher(signal.SIGINT)
-        code, output = job.wait(60)
-        took = time.monotonic() - start
-    assert code != 0, output
-    assert took < 20, f"{took:.1f} s\n{output}"
-    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
-        f"rank{r}.json" for r in range(4)], output
-    code, text, doc = _trace(tmp_path / "trace", capsys)
-    assert code == 1, text
-    _names_the_stuck_rank(text, doc, final=True)
-    assert "the job did not end cleanly" in text
-
-
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_sigusr1_shows_where_every_rank_is_and_the_job_goes_on(
-        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    with Background(_launcher(launcher, request), 4, [str(JOB), str(tmp_path / "trace")],
-                    tmp_path) as job:
-        pids = job.ready(4)
-        time.sleep(0.5)
         job.signal_ranks(pids, signal.SIGUSR1)
         said = job.wait_for(r"\[rank (\d)\] SIGUSR1: at .*", 4)
         assert job.running(), job.output()
         code, text, doc = _trace(tmp_path / "trace", capsys)
+        assert code == 1, text  # the ranks part at #20: a hang, whatever the dumps' reason
+        _names_the_stuck_rank(text, doc, final=False)
+        start = time.monotonic()
         job.signal_ranks(pids, signal.SIGTERM)
-        job.wait(60)
-    assert code == 1, text  # the ranks part at #20: a hang, whatever the dumps' reason
-    _names_the_stuck_rank(text, doc, final=False)
+        ended, output = job.wait(60)
+        took = time.monotonic() - start
     by_rank = {int(m[1]): m[0] for m in said}
     assert f"hang_job.py:{STUCK} in main, in no operation" in by_rank[2], by_rank
     for r in (0, 1, 3):
         assert re.search(rf"hang_job\.py:{WAIT} in main; in all_reduce op #20 \(collective "
                          r"#20\) .*; flight record \S*rank\d\.json", by_rank[r]), by_rank
+    assert ended != 0 and took < 20, f"{ended}, {took:.1f} s\n{output}"
+    code, text, doc = _trace(tmp_path / "trace", capsys)
+    assert code == 1, text
+    _names_the_stuck_rank(text, doc, final=True)
+    assert "the job did not end cleanly" in text and "dump reason: crash handler: SIGTERM" in text
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ctrl_c_leaves_records_naming_each_rank_that_never_arrived(
+        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGINT to the launcher, which forwards it; rank 3 is stuck in Python and rank 2 waits
+    in a recv of its next message: the trace says where each of the two was."""
+    with Background(_launcher(launcher, request), 4,
+                    [str(JOB), str(tmp_path / "trace"), "--in-recv"], tmp_path) as job:
+        job.ready(4)
+        time.sleep(0.5)
+        start = time.monotonic()
+        job.signal_launcher(signal.SIGINT)
+        ended, output = job.wait(60)
+        took = time.monotonic() - start
+    assert ended != 0 and took < 20, f"{ended}, {took:.1f} s\n{output}"
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
+        f"rank{r}.json" for r in range(4)], output
+    code, text, doc = _trace(tmp_path / "trace", capsys)
+    assert code == 1, text
+    assert re.search(rf"ranks 0, 1: op #20 all_reduce .*\[waiting\] at \S*hang_job\.py:"
+                     rf"{WAIT} in main", text), text
+    assert re.search(rf"rank 2 never issued collective #20 .*: it was in op #20 recv .*src=3 "
+                     rf"dst=2 .*\[waiting\] at \S*hang_job\.py:{IN_RECV} in main", text), text
+    assert re.search(rf"rank 3 never issued collective #20 .*: it was at \S*hang_job\.py:"
+                     rf"{STUCK} in main, in no operation", text), text
+    assert doc["ended_badly"] == [0, 1, 2, 3] and "dump reason: crash handler: SIGINT" in text
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -149,23 +161,3 @@ def test_the_deadline_says_what_the_stuck_rank_was_last_seen_doing(
     assert re.search(rf"rank 0: op #20 all_reduce .*\[timeout\] at \S*hang_job\.py:{WAIT} "
                      r"in main: .*rank\(s\) \[2\] did not reach it", text), text
     assert doc["differences"][0]["missing"] == [2], doc
-
-
-@pytest.mark.parametrize("launcher", LAUNCHERS[:1])
-def test_a_rank_waiting_for_the_stuck_one_is_named_with_its_operation(
-        launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """Rank 3 is stuck in Python and rank 2 waits in a recv of its next message, while
-    ranks 0 and 1 wait in collective #20: the trace says where each of the two was."""
-    with Background(_launcher(launcher, request), 4,
-                    [str(JOB), str(tmp_path / "trace"), "--in-recv"], tmp_path) as job:
-        pids = job.ready(4)
-        time.sleep(0.5)
-        job.signal_ranks(pids, signal.SIGTERM)
-        job.wait(60)
-    code, text, _ = _trace(tmp_path / "trace", capsys)
-    assert code == 1, text
-    assert re.search(rf"rank 2 never issued collective #20 .*: it was in op #20 recv .*src=3 "
-                     rf"dst=2 .*\[waiting\] at \S*hang_job\.py:{IN_RECV} in main", text), text
-    assert re.search(rf"rank 3 never issued collective #20 .*: it was at \S*hang_job\.py:"
-                     rf"{STUCK} in main, in no operation", text), text

@@ -125,8 +125,8 @@ def test_ctrl_c_ends_the_job_with_130_and_no_traceback() -> None:
     code, out = _signalled("ctrl-c")
     assert code == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    assert len(re.findall(r"\[rank \d\] interrupted \(SIGINT\); ending all 4 ranks, exit "
-                          r"status 130", out)) == 1, out
+    assert len(re.findall(r"\[rank \d\] interrupted \(SIGINT\) at \S+:\d+ in \S+; ending "
+                          r"all 4 ranks, exit status 130", out)) == 1, out
     _assert_no_segments_left(out)
 
 
@@ -134,6 +134,6 @@ def test_sigterm_to_one_rank_ends_the_job_with_143() -> None:
     code, out = _signalled("sigterm")
     assert code == 143, out
     assert "Traceback" not in out, out
-    assert len(re.findall(r"\[rank \d\] terminated \(SIGTERM\); ending all 4 ranks, exit "
-                          r"status 143", out)) == 1, out
+    assert len(re.findall(r"\[rank \d\] terminated \(SIGTERM\) at \S+:\d+ in \S+; "
+                          r"ending all 4 ranks, exit status 143", out)) == 1, out
     _assert_no_segments_left(out)

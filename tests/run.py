@@ -5,6 +5,7 @@
     python tests/run.py --no-slurm   # without the tests that need a real Slurm
     python tests/run.py --no-openmpi # without the tests that need Open MPI
     python tests/run.py --budget 900 # a slower machine: fail above 900 s (+ the margin)
+    python tests/run.py --matrix full  # the equivalence matrix's full product, alone
     python tests/run.py -k slurm     # other arguments go to every pytest run
 
 At the end of every run it prints each run's wall time, the total, and the ten test files
@@ -13,6 +14,12 @@ fails when the total is over the budget (``BUDGET_S``) by more than ``MARGIN``. 
 run (``--long``, or ``FUELSPMD_TESTS_LONG=1``) adds the full-size, many-repeat and
 full-matrix variants that CI leaves out (CI skips them, naming this command, or runs them
 with fewer repeats: tests/budget.py); it has no budget.
+
+CI runs the equivalence matrix's all-pairs covering set (``tests/matrix``: every pair of
+values of every two axes in some case). ``--matrix full`` runs its full product instead of
+the suite: every runnable training case and every generation case, in ``MATRIX_SHARDS``
+pytest processes side by side (each a share of the cases, ``FUELSPMD_MATRIX_SHARD``), with
+no budget; it prints the counts and the wall time.
 
 Two parts install things outside the virtual environment, and each can be left out:
 
@@ -60,6 +67,10 @@ BUDGET_S = 600.0
 # 15 minutes; over that, CI is over the issue's limit, and the run says so.
 MARGIN = 0.25
 SLOWEST = 10  # test files named at the end of a run
+# --matrix full: pytest processes side by side (the machine's two cores: a DeviceGroup
+# case runs its devices as threads of one interpreter, mostly on one core)
+MATRIX_SHARDS = 2
+MATRIX_DEADLINE_S = 12 * 3600
 
 
 def _run(name: str, cmd: list[str], deadline: float, env: dict[str, str]) -> tuple[int, float]:
@@ -137,7 +148,51 @@ def report(times: list[tuple[str, float]], files: dict[str, dict[str, float]],
     return within
 
 
+def matrix_main(extra: list[str]) -> int:
+    """``--matrix full``: the matrix's full product in ``MATRIX_SHARDS`` processes (the
+    first also runs the generation matrix); 0 when every case passed."""
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="fuelspmd-matrix-"))
+    procs = []
+    for i in range(MATRIX_SHARDS):
+        files = ["tests/matrix"] if i == 0 else ["tests/matrix/test_matrix.py"]
+        summary = work / f"summary-{i}.json"
+        env = dict(os.environ, FUELSPMD_MATRIX="full",
+                   FUELSPMD_MATRIX_SHARD=f"{i}/{MATRIX_SHARDS}", FUELSPMD_SUMMARY=str(summary))
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *extra]
+        print(f"=== matrix shard {i}: {' '.join(cmd)}", flush=True)
+        log = open(work / f"shard-{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True),
+                      log, summary))
+    totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    ok = True
+    for i, (proc, log, summary) in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=max(1.0, MATRIX_DEADLINE_S - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+            print(f"=== matrix shard {i}: killed after {MATRIX_DEADLINE_S} s", flush=True)
+        log.close()
+        counts = json.loads(summary.read_text()) if summary.exists() else {}
+        for key in totals:
+            totals[key] += counts.get(key, 0)
+        text = (work / f"shard-{i}.log").read_text()
+        print(f"=== matrix shard {i}: exit {rc}\n{text[-20000:] if rc else text[-2000:]}",
+              flush=True)
+        ok = ok and rc == 0
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"\nthe full matrix: {totals['passed']} passed, "
+          f"{totals['failed'] + totals['error']} failed, {totals['skipped']} skipped in "
+          f"{time.monotonic() - start:.0f} s")
+    return 0 if ok else 1
+
+
 def main(extra: list[str]) -> int:
+    if extra[:2] == ["--matrix", "full"]:
+        return matrix_main(extra[2:])
     skip_env, extra = split_options(extra)
     budget, extra = budget_option(extra)
     long_run = skip_env.get(LONG["--long"]) == "1" or os.environ.get(LONG["--long"]) == "1"

@@ -63,7 +63,6 @@ from fuelspmd.comm.guarded import GuardedTransport, bye_all
 from fuelspmd.comm.recorder import Recorder
 from fuelspmd.cost.calibration import load_calibration
 from fuelspmd.cost.policy import planner_for
-from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -266,7 +265,6 @@ def init(*, transport: str = "auto", device: str | Device = "auto", timeout: flo
         supervise(info.rank)  # the process splits: the launcher's child supervises this rank
     if device != "auto":
         _device_exists(as_device(device))
-    to_numpy(bfloat16)  # its import (ml_dtypes) is local work, not a wait the deadline is for
     with _startup_deadline(info, timeout):
         seam = _start_transport(transport, info, timeout, device)
     check_world(seam, info)

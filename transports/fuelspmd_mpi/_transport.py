@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 
 from fuelspmd.backend import through_host
+from fuelspmd.dtypes import dtype as as_dtype
+from fuelspmd.dtypes import to_numpy
 from fuelspmd.errors import CommError, ConfigError
 from fuelspmd.transport import (
     CHECK_WORDS,
@@ -307,7 +309,12 @@ class MPITransport:
         if self.size == 1 or nbytes <= route.smallest:
             return "mpi"
         algo = route.band(nbytes).algorithm
-        dt = None if dtype is None else np.dtype(dtype)
+        # a dtype's name (asked by explain_all_reduce) through fuelspmd's table: numpy
+        # knows "bfloat16" only once ml_dtypes is imported
+        dt = (None if dtype is None else to_numpy(as_dtype(dtype)) if isinstance(dtype, str)
+              else np.dtype(dtype))
+        if dt is not None:
+            self._types.know(dt)
         if algo == "mpi" or (dt is not None
                              and self._types.reduce_as.get(dt, (None, None))[1] is not None):
             return "mpi"

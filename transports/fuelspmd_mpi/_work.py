@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fuelspmd.dtypes import bfloat16, to_numpy
 from fuelspmd.errors import CollectiveMismatchError, CommError, CommTimeoutError, DTypeError
 from fuelspmd.transport import WATCH_S, ReduceOp
 
@@ -51,9 +50,12 @@ class Types:
 
     def __init__(self, MPI: Any) -> None:
         u16, f32 = MPI.UINT16_T, np.dtype(np.float32)
-        self.bf16 = to_numpy(bfloat16)
+        # bfloat16 joins the tables at its first buffer (:meth:`know`): its numpy dtype
+        # comes from ml_dtypes, whose import takes most of a second, in every process
+        self.bf16: np.dtype | None = None
+        self._bf16_entries = (u16, (MPI.FLOAT, f32))
         self.move: dict[np.dtype, Any] = {
-            np.dtype(np.float16): u16, self.bf16: u16,
+            np.dtype(np.float16): u16,
             f32: MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
             np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
             np.dtype(np.bool_): MPI.C_BOOL,
@@ -69,9 +71,19 @@ class Types:
         # __hash__ is Python code), costs more than the rest of a small call's bookkeeping
         self.plans: dict[str, dict[np.dtype, ReducePlan]] = {op.value: {} for op in ReduceOp}
 
+    def know(self, dt: np.dtype) -> None:
+        """Add ``dt`` to the tables if it is bfloat16 (the first buffer of it; an array of
+        it exists, so ml_dtypes is imported already)."""
+        if self.bf16 is None and dt.name == "bfloat16":
+            self.bf16 = dt
+            self.move[dt], self.reduce_as[dt] = self._bf16_entries
+
     def spec(self, buf: Any) -> list[Any]:
         """``buf`` as MPI moves it, unreduced: [buffer, MPI type], bfloat16 as uint16 bits."""
-        return [buf.view(np.uint16) if buf.dtype == self.bf16 else buf, self.move[buf.dtype]]
+        dt = buf.dtype
+        if dt not in self.move:
+            self.know(dt)
+        return [buf.view(np.uint16) if dt == self.bf16 else buf, self.move[dt]]
 
     def plan(self, dt: np.dtype, op: ReduceOp, where: str) -> ReducePlan:
         """Return the reduce plan of ``dt`` and ``op``; DTypeError for avg over bool."""
@@ -81,6 +93,7 @@ class Types:
             if logical and op is ReduceOp.AVG:
                 raise DTypeError(f"{where}: avg is not defined for bool buffers; use 'sum' "
                                  f"(logical or) or 'prod' (logical and), or cast to a number")
+            self.know(dt)
             datatype, stage = self.reduce_as[dt]
             found = self.plans[op.value][dt] = ReducePlan(
                 datatype, self.ops[logical][op], stage, op is ReduceOp.AVG)

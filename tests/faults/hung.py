@@ -18,9 +18,32 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
-from faultjobs import TAG, Launcher, kill_tagged, tagged
+from faultjobs import (
+    TAG,
+    Launcher,
+    clean_env,
+    kill_tagged,
+    mpich_launcher,
+    openmpi_launcher,
+    tagged,
+)
 
-__all__ = ["Background", "line_of"]
+__all__ = ["Background", "launcher_for", "line_of"]
+
+
+def launcher_for(name: str, request: pytest.FixtureRequest) -> Launcher:
+    """The launcher ``name``: "mpich", "openmpi", "srun" (``--kill-on-bad-exit=1``, as
+    slurm/*.sbatch run) or "srun-plain" (Slurm's default), the last two on the one-node
+    Slurm of the module (the ``fault_slurm`` fixture)."""
+    if name == "mpich":
+        return mpich_launcher()
+    if name == "openmpi":
+        return openmpi_launcher()
+    slurm = request.getfixturevalue("fault_slurm")
+    prefix = ("srun", "-n", "{n}", "--mpi=pmi2")
+    if name == "srun":
+        prefix += ("--kill-on-bad-exit=1",)
+    return Launcher(name, prefix, {**clean_env(), "PATH": slurm.env["PATH"]}, parallel=1)
 
 
 def line_of(path: Path, marker: str) -> int:

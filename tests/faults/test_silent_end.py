@@ -29,8 +29,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from budget import long_only
-from faultjobs import Jobs, Launcher, clean_env, mpich_launcher, openmpi_launcher
-from hung import Background
+from faultjobs import Jobs, Launcher, mpich_launcher
+from hung import Background, launcher_for
 
 pytestmark = pytest.mark.timeout(300)
 HOST = socket.gethostname().split(".")[0]
@@ -76,19 +76,6 @@ def _cells(launchers: tuple[str, ...]) -> list[object]:
             for lch in launchers for end in ENDS]
 
 
-def _launcher(name: str, request: pytest.FixtureRequest) -> Launcher:
-    if name == "mpich":
-        return mpich_launcher()
-    if name == "openmpi":
-        return openmpi_launcher()
-    slurm = request.getfixturevalue("fault_slurm")
-    env = {**clean_env(), "PATH": slurm.env["PATH"]}
-    prefix = ("srun", "-n", "{n}", "--mpi=pmi2")
-    if name == "srun":
-        prefix += ("--kill-on-bad-exit=1",)
-    return Launcher(name, prefix, env, parallel=1)
-
-
 def _run(launcher: Launcher, end: str, tmp_path: Path, fault_jobs: Jobs) -> tuple[int, str,
                                                                                   float]:
     """Run the job; return its exit status, output and seconds from the fault to its end."""
@@ -113,7 +100,7 @@ def _run(launcher: Launcher, end: str, tmp_path: Path, fault_jobs: Jobs) -> tupl
 def test_a_rank_that_leaves_without_finalizing_is_named_and_fails_the_job(
         launcher: str, end: str, tmp_path: Path, fault_jobs: Jobs,
         request: pytest.FixtureRequest) -> None:
-    returncode, output, took = _run(_launcher(launcher, request), end, tmp_path, fault_jobs)
+    returncode, output, took = _run(launcher_for(launcher, request), end, tmp_path, fault_jobs)
     assert returncode != 0, output
     assert len(re.findall(SAID[end], output)) == 1, output
     assert "SURVIVED" not in output and "CommTimeoutError" not in output, output
@@ -127,7 +114,7 @@ def test_under_a_plain_srun_the_others_find_the_rank_gone(
         end: str, tmp_path: Path, fault_jobs: Jobs, request: pytest.FixtureRequest) -> None:
     """``srun`` without --kill-on-bad-exit leaves rank 0 waiting: the supervisor names rank
     1, and rank 0's peer watch sees it gone and ends the job."""
-    returncode, output, took = _run(_launcher("srun-plain", request), end, tmp_path,
+    returncode, output, took = _run(launcher_for("srun-plain", request), end, tmp_path,
                                     fault_jobs)
     assert returncode != 0, output
     assert len(re.findall(SAID[end], output)) == 1, output

@@ -5,7 +5,7 @@ The machinery (cells, jobs, the tag scan, the launchers) is in ``faultjobs.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from faultjobs import (
@@ -81,9 +81,35 @@ def srun_plain_matrix(request: pytest.FixtureRequest, fault_jobs: Jobs,
                   results(request.config))
 
 
+# issue 41's faults: (fault, launcher) -> seconds each run took (test_silent_end.py,
+# test_hung_job.py), for docs/reliability.md's table of faults
+FAULT_TIMES = pytest.StashKey[dict[tuple[str, str], list[float]]]()
+
+
+@pytest.fixture
+def fault_time(request: pytest.FixtureRequest) -> Callable[[str, str, float], None]:
+    """Record how long a fault took to end the job (or to be answered), for the summary."""
+    stash = request.config.stash
+    if FAULT_TIMES not in stash:
+        stash[FAULT_TIMES] = {}
+    times = stash[FAULT_TIMES]
+
+    def record(fault: str, launcher: str, seconds: float) -> None:
+        times.setdefault((fault, launcher), []).append(seconds)
+
+    return record
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
                             config: pytest.Config) -> None:
-    """Print the matrix: seconds from the failure to the end of every rank, per cell."""
+    """Print the matrix: seconds from the failure to the end of every rank, per cell; and
+    the seconds each of issue 41's faults took."""
+    faults = config.stash.get(FAULT_TIMES, {})
+    if faults:
+        terminalreporter.section("faults: seconds from the fault to the job's end (or answer)")
+        for (fault, launcher), times in sorted(faults.items()):
+            shown = ", ".join(f"{t:.2f}" for t in times)
+            terminalreporter.write_line(f"{launcher:>10}  {fault}: {shown}")
     results = config.stash.get(RESULTS, {})
     if not results:
         return

@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,15 +72,19 @@ def _names_the_stuck_rank(text: str, doc: dict, *, final: bool) -> None:
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_sigusr1_shows_where_every_rank_is_and_sigterm_ends_the_job(
         launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str],
+        fault_time: Callable[[str, str, float], None]) -> None:
     """SIGUSR1 to every rank: each says where it is and dumps, and the job goes on; then
     SIGTERM to every rank (a scheduler's time limit) ends it, and the dumps say so."""
     with Background(launcher_for(launcher, request), 4, [str(JOB), str(tmp_path / "trace")],
                     tmp_path) as job:
         pids = job.ready(4)
         time.sleep(0.5)  # the waiting ranks are past their first slice
+        start = time.monotonic()
         job.signal_ranks(pids, signal.SIGUSR1)
         said = job.wait_for(r"\[rank (\d)\] SIGUSR1: at .*", 4)
+        fault_time("hung, SIGUSR1 to every rank: all four lines", launcher,
+                   time.monotonic() - start)
         assert job.running(), job.output()
         code, text, doc = _trace(tmp_path / "trace", capsys)
         assert code == 1, text  # the ranks part at #20: a hang, whatever the dumps' reason
@@ -88,6 +93,7 @@ def test_sigusr1_shows_where_every_rank_is_and_sigterm_ends_the_job(
         job.signal_ranks(pids, signal.SIGTERM)
         ended, output = job.wait(60)
         took = time.monotonic() - start
+    fault_time("hung, SIGTERM to every rank", launcher, took)
     by_rank = {int(m[1]): m[0] for m in said}
     assert f"hang_job.py:{STUCK} in main, in no operation" in by_rank[2], by_rank
     for r in (0, 1, 3):
@@ -103,7 +109,8 @@ def test_sigusr1_shows_where_every_rank_is_and_sigterm_ends_the_job(
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_ctrl_c_leaves_records_naming_each_rank_that_never_arrived(
         launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str],
+        fault_time: Callable[[str, str, float], None]) -> None:
     """SIGINT to the launcher, which forwards it; rank 3 is stuck in Python and rank 2 waits
     in a recv of its next message: the trace says where each of the two was."""
     with Background(launcher_for(launcher, request), 4,
@@ -117,6 +124,7 @@ def test_ctrl_c_leaves_records_naming_each_rank_that_never_arrived(
             job.signal_launcher(signal.SIGINT)
         ended, output = job.wait(60)
         took = time.monotonic() - start
+    fault_time("hung, Ctrl-C to the launcher", launcher, took)
     assert ended != 0 and took < 20, f"{ended}, {took:.1f} s\n{output}"
     dumped = sorted(int(p.name[4:-5]) for p in (tmp_path / "trace").iterdir())
     if launcher == "srun":  # its second Ctrl-C kills the step: some ranks may not dump
@@ -145,11 +153,15 @@ def test_ctrl_c_leaves_records_naming_each_rank_that_never_arrived(
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_the_deadline_says_what_the_stuck_rank_was_last_seen_doing(
         launcher: str, tmp_path: Path, request: pytest.FixtureRequest,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str],
+        fault_time: Callable[[str, str, float], None]) -> None:
     with Background(launcher_for(launcher, request), 4,
                     [str(JOB), str(tmp_path / "trace"), "--timeout", "3"], tmp_path) as job:
         job.ready(4)
+        start = time.monotonic()
         code, output = job.wait(60)
+        fault_time("hung, timeout=3 passes (from the last READY)", launcher,
+                   time.monotonic() - start)
     assert code != 0, output
     seen = re.findall(r"rank\(s\) \[2\] did not reach it within 3 s \(last seen from rank 2: "
                       r"([^;]*)", output)

@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,8 @@ import os, signal, sys, time, numpy as np, fuelspmd as fs
 w = fs.init(timeout=120)
 buf = np.ones(4)
 w.transport.all_reduce(buf, "sum").wait()
-sys.stderr.write(f"FAULT at {{time.time():.6f}}\\n")
 if w.rank == 1:
+    sys.stderr.write(f"FAULT at {{time.time():.6f}}\\n")
     {end}
 w.transport.all_reduce(buf, "sum").wait()
 print("SURVIVED", w.rank, flush=True)
@@ -86,9 +87,13 @@ def _run(launcher: Launcher, end: str, tmp_path: Path, fault_jobs: Jobs) -> tupl
     else:  # the interpreter killed from outside (the OOM killer, a user's kill -9)
         with Background(launcher, 2, ["-c", code], tmp_path) as job:
             (pid,) = job.ready(1).values()
+            time.sleep(0.2)  # rank 0 waits in its all_reduce
+            fault = time.time()
             job.signal_ranks({1: pid}, signal.SIGKILL)
             returncode, output = job.wait(60)
             gone = time.time()
+        assert returncode is not None, output
+        return returncode, output, gone - fault
     assert returncode is not None, output
     fault = float(re.findall(r"FAULT at ([0-9.]+)", output)[-1])
     return returncode, output, gone - fault
@@ -99,8 +104,9 @@ def _run(launcher: Launcher, end: str, tmp_path: Path, fault_jobs: Jobs) -> tupl
     for c in _cells(("srun",))])
 def test_a_rank_that_leaves_without_finalizing_is_named_and_fails_the_job(
         launcher: str, end: str, tmp_path: Path, fault_jobs: Jobs,
-        request: pytest.FixtureRequest) -> None:
+        request: pytest.FixtureRequest, fault_time: Callable[[str, str, float], None]) -> None:
     returncode, output, took = _run(launcher_for(launcher, request), end, tmp_path, fault_jobs)
+    fault_time(f"rank 1 {end}", launcher, took)
     assert returncode != 0, output
     assert len(re.findall(SAID[end], output)) == 1, output
     assert "SURVIVED" not in output and "CommTimeoutError" not in output, output
@@ -111,11 +117,13 @@ def test_a_rank_that_leaves_without_finalizing_is_named_and_fails_the_job(
 @long_only
 @pytest.mark.parametrize("end", ["exit0", "sigkill"])
 def test_under_a_plain_srun_the_others_find_the_rank_gone(
-        end: str, tmp_path: Path, fault_jobs: Jobs, request: pytest.FixtureRequest) -> None:
+        end: str, tmp_path: Path, fault_jobs: Jobs, request: pytest.FixtureRequest,
+        fault_time: Callable[[str, str, float], None]) -> None:
     """``srun`` without --kill-on-bad-exit leaves rank 0 waiting: the supervisor names rank
     1, and rank 0's peer watch sees it gone and ends the job."""
     returncode, output, took = _run(launcher_for("srun-plain", request), end, tmp_path,
                                     fault_jobs)
+    fault_time(f"rank 1 {end}", "srun-plain", took)
     assert returncode != 0, output
     assert len(re.findall(SAID[end], output)) == 1, output
     assert re.search(WATCHED, output), output

@@ -10,41 +10,39 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = ["count", "number"]
+
+N = TypeVar("N", int, float)
+
+
+def _bounded(convert: Callable[[str], N], what: str, ok: Callable[[N], bool],
+             wanted: str) -> Callable[[str], N]:
+    """An argparse ``type``: ``convert(text)`` when ``ok`` of it, else an error naming
+    ``wanted`` (what the value must be)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {what}; give {wanted}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} is outside the range; give {wanted}")
+        return value
+
+    return parse
 
 
 def count(lo: int, hi: int) -> Callable[[str], int]:
     """An argparse ``type``: a whole number from ``lo`` to ``hi``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number; give one from {lo} to {hi}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi}; give a whole "
-                                             f"number from {lo} to {hi}")
-        return value
-
-    return parse
+    return _bounded(int, "a whole number", lambda v: lo <= v <= hi,
+                    f"a whole number from {lo} to {hi}")
 
 
 def number(lo: float, hi: float, *, above: bool = False) -> Callable[[str], float]:
     """An argparse ``type``: a finite number from ``lo`` (above it, if ``above``) to ``hi``."""
     low = f"above {lo:g}" if above else f"from {lo:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a number; give one {low} to {hi:g}") from None
-        if not (math.isfinite(value) and (value > lo if above else value >= lo)
-                and value <= hi):
-            raise argparse.ArgumentTypeError(f"{text} is outside the range; give a finite "
-                                             f"number {low} to {hi:g}")
-        return value
-
-    return parse
+    return _bounded(float, "a number", lambda v: math.isfinite(v) and lo <= v <= hi
+                    and not (above and v == lo), f"a finite number {low} to {hi:g}")

@@ -44,8 +44,9 @@ def _refused(main: object, argv: list[str], capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize(("argv", "said"), [
     (["--png-width", "100000000", "--png", "x.png"],
-     "--png-width: 100000000 is outside 100..32768"),
-    (["--stages", "100000", "--microbatches", "100000"], "--stages: 100000 is outside 1..32768"),
+     "--png-width: 100000000 is outside the range; give a whole number from 100 to 32768"),
+    (["--stages", "100000", "--microbatches", "100000"],
+     "--stages: 100000 is outside the range; give a whole number from 1 to 32768"),
     (["--stages", "181", "--microbatches", "180"],
      "is 65341 grid cells, more than the 32768 this command draws in seconds"),
     (["--kind", "interleaved", "--stages", "4", "--microbatches", "4096", "--chunks", "4"],
@@ -71,7 +72,8 @@ def test_a_picture_too_large_names_the_width_that_fits(
     (["--peak-tflops", "nan"], "--peak-tflops: nan is outside the range"),
     (["--memory-gib", "-1"], "--memory-gib: -1 is outside the range"),
     (["--matmul-efficiency", "inf"], "--matmul-efficiency: inf is outside the range"),
-    (["--gpus", "100000000"], "--gpus: 100000000 is outside 1..1048576"),
+    (["--gpus", "100000000"],
+     "--gpus: 100000000 is outside the range; give a whole number from 1 to 1048576"),
     (["--microbatches", "1,x"], "--microbatches 1,x: 'x' is not a whole number"),
 ])
 def test_plan_refuses_numbers_out_of_range(argv: list[str], said: str,

@@ -38,6 +38,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
+from typing import NoReturn
 
 __all__ = ["FINALIZED", "REPORTED", "Rank", "launcher_pid", "supervise"]
 
@@ -126,7 +127,7 @@ def supervise(rank: int) -> bool:
     _wait(child, read, rank)  # never returns
 
 
-def _wait(child: int, read: int, rank: int) -> None:
+def _wait(child: int, read: int, rank: int) -> NoReturn:
     """The supervisor: forward signals to ``child``, wait for it, end as it did."""
     forwarded: list[int] = []
 
@@ -186,7 +187,7 @@ def _name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def _die_by(sig: int) -> None:
+def _die_by(sig: int) -> NoReturn:
     """End this process by ``sig``, as the rank ended, so the launcher sees the same."""
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the rank's core, not ours

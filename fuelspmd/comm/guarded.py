@@ -168,7 +168,12 @@ class GuardedTransport:
         # caller's mistake, raised before anything is issued, takes the record back
         rec = -1 if g.recorder is None else g.recorder.push(call.fp, seq, cseq)
         if check is None:  # off mode, or one rank
-            work = method(*args)
+            try:
+                work = method(*args)
+            except Exception as e:
+                if not isinstance(e, CommError) and rec >= 0:
+                    g.recorder.retract(rec)  # type: ignore[union-attr]
+                raise
         else:
             g.cur = (call.encoded, seq, cseq, 0, rec, call.fp)
             w = check.words

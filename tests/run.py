@@ -160,7 +160,8 @@ def matrix_main(extra: list[str]) -> int:
         env = dict(os.environ, FUELSPMD_MATRIX="full",
                    FUELSPMD_MATRIX_SHARD=f"{i}/{MATRIX_SHARDS}", FUELSPMD_SUMMARY=str(summary))
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *extra]
+        # -v: a line per case, so a run stopped early says which cases passed
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *files, *extra]
         print(f"=== matrix shard {i}: {' '.join(cmd)}", flush=True)
         log = open(work / f"shard-{i}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,

@@ -3,8 +3,9 @@
 :meth:`Executor.realize` finds the plan of the unrealised graph under its targets, runs it,
 then hands each target its buffer and drops its inputs. Finding the plan:
 
-- The cache holds plans by a cheap summary of the targets (their number, the first and the
-  last one's op and shape) and, under it, the few structures seen with that summary.
+- The cache holds plans by a cheap summary of the targets (their number, the first one's
+  device, the first and the last one's op and shape) and, under it, the few structures
+  seen with that summary.
 - A cached plan *binds* the graph (:class:`Binding`): one walk over the edges of the
   unrealised graph, in the order the plan was made from, checks that every node is what
   the plan expects (op, attributes, number of inputs, realised or not; for a leaf its
@@ -166,8 +167,12 @@ class PlanCache:
 
 
 def _summary(targets: list[Node]) -> tuple[Any, ...]:
+    """The key of a graph's plans. The device is in it: the devices of a DeviceGroup run
+    alike graphs in one process, and under one key their plans would crowd each other out
+    of its ``VARIANTS`` (each planned again every step, and a compiled step never finding
+    its plans twice)."""
     first, last = targets[0], targets[-1]
-    return (len(targets), first.op, first.shape, last.op, last.shape)
+    return (len(targets), first.device, first.op, first.shape, last.op, last.shape)
 
 
 class Executor:

@@ -64,6 +64,20 @@ def test_graphs_alike_but_for_an_op_get_their_own_plans() -> None:
         np.testing.assert_array_equal(results[4 * k + 1], (x + k) * 3.0)
 
 
+def test_alike_graphs_on_more_devices_than_variants_keep_their_plans() -> None:
+    """A DeviceGroup's devices run the same graphs in one process: each device's plans are
+    kept (under one key, more devices than its VARIANTS evicted each other every step, and
+    a compiled step on a DeviceGroup of 4 with an interleaved pipeline never replayed)."""
+    ex = graph.Executor()
+    devices = [f"cpu:{i}" for i in range(graph.PlanCache.VARIANTS + 2)]
+    for k in range(3):
+        for d in devices:
+            y = fs.tensor(np.arange(4.0) + k, device=d) * 2.0 + 1.0
+            ex.realize([y.node])
+            np.testing.assert_array_equal(y.node.buffer, (np.arange(4.0) + k) * 2.0 + 1.0)
+    assert (ex.cache.misses, ex.cache.hits) == (len(devices), 2 * len(devices))
+
+
 def test_a_plan_binds_only_its_own_sharing() -> None:
     """f(x, x) and f(x1, x2) look alike node by node; a plan made for one never runs the
     other (the binding checks that nodes are shared exactly where they were)."""

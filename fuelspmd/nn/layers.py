@@ -196,22 +196,24 @@ class Dropout(Module):
             n = x.shape[dim]
             full[dim] = n * self.comm.size
             lo, hi = self.comm.rank * n, (self.comm.rank + 1) * n
-        mask = _Mask(self.rng, self.layer, self.rng.micro, tuple(full), dim, lo, hi, self.p,
-                     x.dtype)
-        return x * host(mask, shape=x.shape, dtype=x.dtype, device=x.device)
+        mask = _Mask(self.rng, self.layer, tuple(full), dim, lo, hi, self.p, x.dtype)
+        micro = tensor(np.asarray(self.rng.micro, np.int64), device=x.device)
+        return x * host(mask, micro, shape=x.shape, dtype=x.dtype, device=x.device)
 
 
 @dataclass(frozen=True)
 class _Mask:
     """The scaled keep mask ``keep / (1 - p)`` of one Dropout call, this rank's block
-    ``lo:hi`` along ``dim`` of the full mask. Made through ``fs.host``: the micro-batch
-    and layer are fixed when the forward is built, the step is read from ``rng`` when
-    the mask is made, so a compiled step (``fs.compile``) draws each replay's own masks
-    (the loop sets the step outside it) and an uncompiled one the same masks as ever."""
+    ``lo:hi`` along ``dim`` of the full mask. Made through ``fs.host``: the layer is fixed
+    when the forward is built, the micro-batch is the host call's input (so the graphs of
+    a step's micro-batches are one structure, one plan: as an attribute it made a plan per
+    micro-batch, and a compiled pipeline of 16 of them overflowed the plan cache and never
+    replayed), the step is read from ``rng`` when the mask is made, so a compiled step
+    (``fs.compile``) draws each replay's own masks (the loop sets the step outside it) and
+    an uncompiled one the same masks as ever."""
 
     rng: DropoutRNG
     layer: int
-    micro: int
     full: tuple[int, ...]
     dim: int
     lo: int
@@ -219,8 +221,8 @@ class _Mask:
     p: float
     dtype: DType
 
-    def __call__(self) -> np.ndarray:
-        keep = self.rng.keep(self.layer, self.full, self.p, micro=self.micro)
+    def __call__(self, micro: np.ndarray) -> np.ndarray:
+        keep = self.rng.keep(self.layer, self.full, self.p, micro=int(micro))
         index = [slice(None)] * len(self.full)
         index[self.dim] = slice(self.lo, self.hi)
         scaled = keep[tuple(index)] / (1.0 - self.p)

@@ -276,3 +276,30 @@ def test_dropout_of_a_16_bit_activation_keeps_its_dtype_and_the_float32_mask(dt:
     got = nn.Dropout(0.25, rng=rng, layer=2)(fs.tensor(x).astype(dt))
     assert got.dtype == fs.dtypes.dtype(dt)
     np.testing.assert_allclose(got.numpy().astype(np.float32), want, rtol=1e-2)
+
+
+def test_a_compiled_step_of_many_micro_batches_with_dropout_replays() -> None:
+    """A pipeline realises each micro-batch's forward on its own. The micro-batch is the
+    mask's input, not part of the graph: as an attribute every micro-batch had its own plan,
+    more of them than the plan cache keeps under one key, so the step was planned again on
+    every call and fs.compile refused it (each call 'ran different graphs')."""
+    rng = nn.DropoutRNG(5)
+    drop, micros = nn.Dropout(0.5, rng=rng, layer=1), fs.graph.PlanCache.VARIANTS + 4
+    arrays = np.random.default_rng(1).standard_normal((micros, 8, 16))
+    xs = [fs.tensor(a) for a in arrays]
+
+    def step(xs: list[fs.Tensor]) -> list[fs.Tensor]:
+        outs = []
+        for k, x in enumerate(xs):
+            rng.micro = k
+            outs.append(drop(x * 2.0).sum().realize())
+        return outs
+
+    fn = fs.compile(step)
+    for s in range(4):
+        rng.set_step(s)
+        got = [float(t.numpy()) for t in fn(xs)]
+        want = [float((a * 2.0 * rng.keep(1, (8, 16), 0.5, micro=k) * 2.0).sum())
+                for k, a in enumerate(arrays)]
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert fn.replays == 2, fn

@@ -2,9 +2,11 @@
 
 ``fuelspmd schedule --kind 1f1b --stages 4 --microbatches 8 [--chunks 2] [--png out.png]``
 prints the step x rank grid, the action lists, the simulated bubble beside the formula,
-and the peak number of micro-batch activations each rank holds. Times are in units of
-one forward (``--t-b 2`` makes a backward twice as long); for ``interleaved`` they are the
-times of the whole per-rank model, and each chunk's action takes ``1/chunks`` of them.
+and the peak number of micro-batch activations each rank holds; ``--png`` also draws the
+timeline (png, svg or pdf, by the file's suffix) with matplotlib, the ``plot`` extra. Times
+are in units of one forward (``--t-b 2`` makes a backward twice as long); for
+``interleaved`` they are the times of the whole per-rank model, and each chunk's action
+takes ``1/chunks`` of them.
 """
 
 from __future__ import annotations
@@ -17,22 +19,26 @@ from fuelspmd.cli.arguments import count, number
 from fuelspmd.errors import ConfigError, ScheduleError
 from fuelspmd.pipeline_parallel import SCHEDULE_KINDS, schedule, simulate
 from fuelspmd.pipeline_parallel.render import (
+    DPI,
+    NEEDS_MATPLOTLIB,
     READABLE_PX,
+    figure,
+    figure_height,
     grid,
+    have_matplotlib,
     narrowest_action_px,
-    png,
-    png_height,
     width_for,
 )
 
-__all__ = ["MAX_CELLS", "MAX_PIXELS", "PNG_WIDTH", "main"]
+__all__ = ["FORMATS", "MAX_CELLS", "MAX_PIXELS", "PNG_WIDTH", "main"]
 
 # The grid has a row per stage and a column per time step, about m * c + p of them: drawing,
 # validating and simulating a schedule cost about p * (m * c + p) cells, which this bound
 # keeps to seconds (docs/reliability.md has the times).
 MAX_CELLS = 1 << 15
-PNG_WIDTH = (100, 1 << 15)  # pixels: the rank labels need the first hundred
-MAX_PIXELS = 1 << 25  # a picture of at most 100 MiB of RGB
+PNG_WIDTH = (400, 1 << 15)  # pixels: the title and the legend need the first 400
+MAX_PIXELS = 1 << 25  # a picture of at most 128 MiB of RGBA while matplotlib draws it
+FORMATS = ("png", "svg", "pdf")  # what --png writes, by the file's suffix
 MAX_TIME = 1e9  # an action's time, in any unit: finite
 
 
@@ -55,10 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--t-w", type=time, default=1.0, help="weight-gradient time (zb-h1)")
     p.add_argument("--t-comm", type=number(0.0, MAX_TIME), default=0.0,
                    help="time per hop between ranks")
-    p.add_argument("--png", type=Path, default=None, help="write a timeline picture here")
+    p.add_argument("--png", type=Path, default=None,
+                   help="write a timeline picture here: a .png, .svg or .pdf file (needs "
+                        "matplotlib: pip install 'fuelspmd[plot]')")
     p.add_argument("--png-width", type=count(*PNG_WIDTH), default=1200,
-                   help=f"the picture's width in pixels, {PNG_WIDTH[0]} to {PNG_WIDTH[1]} "
-                        "(default %(default)s)")
+                   help=f"the picture's width in pixels (at {DPI} dpi for svg and pdf), "
+                        f"{PNG_WIDTH[0]} to {PNG_WIDTH[1]} (default %(default)s)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     return p
 
@@ -78,12 +86,23 @@ def _formula(
     return None
 
 
+def _cannot_draw(path: Path) -> str | None:
+    """Why ``--png path`` cannot be written, found before the schedule is built."""
+    if not have_matplotlib():
+        return f"--png {NEEDS_MATPLOTLIB}"
+    if path.suffix.lower().lstrip(".") not in FORMATS:
+        return f"cannot write --png {path}: give a file name ending in .png, .svg or .pdf"
+    if not path.parent.is_dir():
+        return f"cannot write --png {path}: the folder {path.parent} does not exist"
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Run ``fuelspmd schedule`` with ``argv`` (without the program name); return the exit code."""
     args = _parser().parse_args(argv)
-    if args.png is not None and not args.png.parent.is_dir():
-        print(f"fuelspmd schedule: cannot write --png {args.png}: the folder "
-              f"{args.png.parent} does not exist", file=sys.stderr)
+    why = None if args.png is None else _cannot_draw(args.png)
+    if why is not None:
+        print(f"fuelspmd schedule: {why}", file=sys.stderr)
         return 2
     chunks = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved" else 1)
     cells = args.stages * (args.microbatches * chunks + args.stages)
@@ -127,7 +146,7 @@ def main(argv: list[str]) -> int:
         + ("  (chunk activations, each 1/c of a rank's)" if c > 1 else "")
     )
     if args.png is not None:
-        height = png_height(p)
+        height = figure_height(p)
         if args.png_width * height > MAX_PIXELS:
             print(f"fuelspmd schedule: a {args.png_width} x {height} px picture is more than "
                   f"the {MAX_PIXELS} px this command draws; give a smaller --png-width (at "
@@ -142,8 +161,11 @@ def main(argv: list[str]) -> int:
             print(f"fuelspmd schedule: warning: in a {args.png_width} px picture the shortest "
                   f"action is {narrow:.1f} px wide, so actions merge and carry no labels; "
                   f"{fix}", file=sys.stderr)
+        unit = ("time, in forwards of a rank's model" if args.t_f == 1 else
+                f"time, in the unit of --t-f (a rank's forward takes {args.t_f:g})")
         try:
-            args.png.write_bytes(png(timeline, width=args.png_width))
+            picture = figure(timeline, width=args.png_width, time_unit=unit)
+            picture.savefig(args.png, format=args.png.suffix.lower().lstrip("."))
         except OSError as err:
             print(f"fuelspmd schedule: cannot write --png {args.png}: {err.strerror}",
                   file=sys.stderr)

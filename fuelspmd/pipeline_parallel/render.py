@@ -1,45 +1,35 @@
-"""Draw a :class:`Timeline`: a text grid for the terminal and a PNG picture.
+"""Draw a :class:`Timeline`: a text grid for the terminal, a Chrome trace, and a picture.
 
-Imports only the standard library, numpy and this package. Nothing here writes files:
-:func:`grid` returns a string and :func:`png` returns the bytes of a PNG, which the
-``fuelspmd schedule`` command prints or saves. No plotting library is needed: the PNG is
-encoded here (RGB, one IDAT chunk, zlib) with a 3x5 bitmap font for labels.
+The grid and the trace need only the standard library. The picture is drawn with
+matplotlib, an optional extra (``pip install 'fuelspmd[plot]'``), imported by
+:func:`figure` when it draws, so importing this module loads no plotting library. Nothing
+here writes files: the ``fuelspmd schedule`` command prints or saves what these return.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
+import importlib.util
+import math
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from fuelspmd.pipeline_parallel.actions import KINDS
 from fuelspmd.pipeline_parallel.simulate import Timeline
 
-__all__ = ["chrome_trace", "encode_png", "grid", "png", "png_height"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "NEEDS_MATPLOTLIB",
+    "chrome_trace",
+    "figure",
+    "figure_height",
+    "grid",
+    "have_matplotlib",
+    "narrowest_action_px",
+    "width_for",
+]
 
 _ANSI = {"F": "34", "B": "32", "I": "36", "W": "33"}
-_RGB = {"F": (66, 133, 244), "B": (52, 168, 83), "I": (0, 150, 170), "W": (230, 160, 0)}
-
-# 3x5 glyphs, rows top to bottom, "#" = ink.
-_FONT = {
-    "0": ("###", "#.#", "#.#", "#.#", "###"),
-    "1": (".#.", "##.", ".#.", ".#.", "###"),
-    "2": ("###", "..#", "###", "#..", "###"),
-    "3": ("###", "..#", "###", "..#", "###"),
-    "4": ("#.#", "#.#", "###", "..#", "..#"),
-    "5": ("###", "#..", "###", "..#", "###"),
-    "6": ("###", "#..", "###", "#.#", "###"),
-    "7": ("###", "..#", ".#.", ".#.", ".#."),
-    "8": ("###", "#.#", "###", "#.#", "###"),
-    "9": ("###", "#.#", "###", "..#", "###"),
-    "F": ("###", "#..", "##.", "#..", "#.."),
-    "B": ("##.", "#.#", "##.", "#.#", "##."),
-    "I": ("###", ".#.", ".#.", ".#.", "###"),
-    "W": ("#.#", "#.#", "#.#", "###", "#.#"),
-    "r": ("...", "##.", "#..", "#..", "#.."),
-    ".": ("...", "...", "...", "...", ".#."),
-    " ": ("...", "...", "...", "...", "..."),
-}
 
 
 def chrome_trace(timeline: Timeline, *, scale: float = 1e6) -> dict[str, object]:
@@ -102,98 +92,106 @@ def grid(timeline: Timeline, *, color: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _text(
-    img: np.ndarray, x: int, y: int, text: str, scale: int, rgb: tuple[int, int, int]
-) -> None:
-    """Stamp ``text`` in the 3x5 font, ``scale`` pixels per dot, top-left at (x, y)."""
-    for k, ch in enumerate(text):
-        glyph = _FONT.get(ch, _FONT[" "])
-        for gy, row in enumerate(glyph):
-            for gx, bit in enumerate(row):
-                if bit == "#":
-                    x0, y0 = x + (4 * k + gx) * scale, y + gy * scale
-                    img[y0 : y0 + scale, x0 : x0 + scale] = rgb
+NEEDS_MATPLOTLIB = "needs matplotlib, which is not installed; pip install 'fuelspmd[plot]'"
+DPI = 100  # a picture's width and height are given in pixels at this resolution
+LEFT, RIGHT, TOP, BOTTOM = 70, 20, 50, 75  # pixels around the axes: rank labels, title, legend
+ROW_PX = 30  # pixels per rank
+READABLE_PX = 4  # an action narrower than this merges with its neighbours in a picture
+_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+_COLOURS = {"F": "#4285f4", "B": "#34a853", "I": "#0096aa", "W": "#e6a000"}
+_IDLE = "#e6e6e6"
+_CHAR_PX = 6.5  # a label character at font size 7, with room to spare
 
 
-PNG_MARGIN = 42  # pixels of a png row left of the time axis (the rank label) and right of it
-READABLE_PX = 4  # an action narrower than this merges with its neighbours in the picture
+def have_matplotlib() -> bool:
+    """Whether :func:`figure` can draw; asked before any work, without importing it."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def figure_height(stages: int) -> int:
+    """The height in pixels of a :func:`figure` of ``stages`` ranks, known before drawing
+    so a caller can refuse a picture too large to hold."""
+    return TOP + stages * ROW_PX + BOTTOM
 
 
 def narrowest_action_px(timeline: Timeline, width: int = 1200) -> float:
-    """The width in pixels of the shortest action in a :func:`png` of ``width`` pixels."""
+    """The width in pixels of the shortest action in a :func:`figure` ``width`` pixels wide."""
     span = timeline.makespan or 1.0
     shortest = min((timeline.end[a] - t0 for a, t0 in timeline.start.items()), default=span)
-    return shortest * (width - PNG_MARGIN) / span
+    return shortest * (width - LEFT - RIGHT) / span
 
 
 def width_for(timeline: Timeline, px: float = READABLE_PX) -> int:
-    """The :func:`png` width at which the shortest action is ``px`` pixels wide."""
-    one = narrowest_action_px(timeline, PNG_MARGIN + 1)  # pixels per pixel of axis
-    return PNG_MARGIN + int(px / one + 0.999) if one > 0 else PNG_MARGIN + 1
+    """The :func:`figure` width at which the shortest action is ``px`` pixels wide."""
+    per_px = narrowest_action_px(timeline, LEFT + RIGHT + 1)  # action px per px of axis
+    return LEFT + RIGHT + (math.ceil(px / per_px) if per_px > 0 else 1)
 
 
-def png_height(stages: int, row: int = 28) -> int:
-    """The height in pixels of a :func:`png` of ``stages`` ranks: their rows and the legend."""
-    gap, scale = 6, 2
-    return gap + stages * (row + gap) + 5 * scale + 2 * gap
+def figure(timeline: Timeline, *, width: int = 1200, time_unit: str = "time") -> Figure:
+    """The timeline as a matplotlib ``Figure`` (Agg canvas; ``savefig`` writes png, svg or
+    pdf): a row per rank, a bar per action coloured by kind and lighter for later
+    micro-batches, hatched for chunks after the first, labelled ``F3`` (or ``3``) where
+    the label fits; grey where the rank idles. The x axis is the simulator's time, called
+    ``time_unit``; the title names the schedule, its sizes and the simulated bubble, and
+    the legend every kind the schedule has.
 
-
-def png(timeline: Timeline, *, width: int = 1200, row: int = 28) -> bytes:
-    """A timeline picture: one row per rank, a rectangle per action coloured by kind
-    (F blue, B green, I teal, W amber), lighter for later micro-batches, labelled with the
-    kind and micro-batch (``F3``, or just ``3``) where it fits; later chunks carry a dark
-    band along the bottom. A legend row of the kinds present sits underneath."""
+    The axes sit at fixed pixel margins, so a bar's width in pixels is known while drawing
+    (which labels fit, whether white seams between bars would cover narrow ones)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.collections import PolyCollection
+        from matplotlib.colors import to_rgb
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(f"drawing a timeline {NEEDS_MATPLOTLIB}",
+                                  name="matplotlib") from err
     s = timeline.schedule
-    margin, gap, scale = PNG_MARGIN - 8, 6, 2
+    height = figure_height(s.stages)
+    fig = Figure(figsize=(width / DPI, height / DPI), dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((LEFT / width, BOTTOM / height, (width - LEFT - RIGHT) / width,
+                       (height - TOP - BOTTOM) / height))
     span = timeline.makespan or 1.0
-    px = (width - margin - 8) / span
-    legend_y = gap + s.stages * (row + gap)
-    height = png_height(s.stages, row)
-    img = np.full((height, width, 3), 255, dtype=np.uint8)
-    kinds = [k for k in _RGB if any(a.kind == k for a in timeline.start)]
-    for n, kind in enumerate(kinds):  # legend: a swatch per kind present, then its letter
-        x = margin + n * 40
-        img[legend_y : legend_y + 5 * scale, x : x + 14] = _RGB[kind]
-        _text(img, x + 18, legend_y, kind, scale, (40, 40, 40))
-    for r in range(s.stages):
-        y = gap + r * (row + gap)
-        img[y : y + row, margin : width - 8] = (238, 238, 238)
-        _text(img, 4, y + (row - 5 * scale) // 2, f"r{r}", scale, (40, 40, 40))
+    px = (width - LEFT - RIGHT) / span
+
+    def box(t0: float, t1: float, row: int) -> list[tuple[float, float]]:
+        return [(t0, row - 0.4), (t1, row - 0.4), (t1, row + 0.4), (t0, row + 0.4)]
+
+    ax.add_collection(PolyCollection([box(0.0, span, r) for r in range(s.stages)],
+                                     facecolors=_IDLE, linewidths=0))
+    seam = 0.8 if narrowest_action_px(timeline, width) >= READABLE_PX else 0.0
+    base = {k: to_rgb(c) for k, c in _COLOURS.items()}
+    bars: dict[tuple[str, int], tuple[list, list]] = {}
     for a, t0 in timeline.start.items():
-        y = gap + a.stage * (row + gap)
-        x0 = margin + round(t0 * px)
-        x1 = max(x0 + 1, margin + round(timeline.end[a] * px))
-        shade = 0.55 * a.microbatch / max(s.microbatches - 1, 1)
-        base = np.array(_RGB[a.kind], dtype=np.float64)
-        rgb = tuple(int(v) for v in base + (255 - base) * shade)
-        img[y : y + row, x0:x1] = rgb
-        if x1 - x0 >= READABLE_PX:  # a thin seam between neighbours, where it leaves colour
-            img[y : y + row, x0] = (255, 255, 255)
-        if a.chunk:  # later chunks get a dark band at the bottom
-            img[y + row - 3 * a.chunk : y + row, x0 + 1 : x1] = (60, 60, 60)
+        verts, colours = bars.setdefault((a.kind, a.chunk), ([], []))
+        t1 = timeline.end[a]
+        verts.append(box(t0, t1, a.stage))
+        lighter = 0.55 * a.microbatch / max(s.microbatches - 1, 1)
+        colours.append(tuple(v + (1 - v) * lighter for v in base[a.kind]))
         for label in (f"{a.kind}{a.microbatch}", str(a.microbatch)):
-            if (x1 - x0) >= 4 * scale * len(label) + 2:
-                tx = x0 + (x1 - x0 - (4 * len(label) - 1) * scale) // 2
-                ty = y + (row - 5 * scale) // 2 - (a.chunk > 0) * 2
-                _text(img, tx, ty, label, scale, (0, 0, 0))
+            if (t1 - t0) * px >= _CHAR_PX * len(label) + 4:
+                ax.text((t0 + t1) / 2, a.stage, label, ha="center", va="center", fontsize=7)
                 break
-    return encode_png(img)
-
-
-def encode_png(img: np.ndarray) -> bytes:
-    """Encode an ``(h, w, 3)`` uint8 array as an RGB PNG (filter 0 on every row)."""
-    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
-        raise ValueError(f"encode_png wants an (h, w, 3) uint8 array, got {img.shape} {img.dtype}")
-    h, w, _ = img.shape
-    raw = np.concatenate([np.zeros((h, 1), dtype=np.uint8), img.reshape(h, w * 3)], axis=1)
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(raw.tobytes(), 9))
-        + chunk(b"IEND", b"")
-    )
+    for (_, chunk), (verts, colours) in bars.items():
+        ax.add_collection(PolyCollection(verts, facecolors=colours, edgecolors="white",
+                                         linewidths=seam, hatch="//" * chunk or None))
+    ax.set_xlim(0, span)
+    ax.set_ylim(s.stages - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(s.stages), [f"rank {r}" for r in range(s.stages)], fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_xlabel(time_unit, fontsize=9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    chunks = f", {s.chunks} chunks per rank" if s.chunks > 1 else ""
+    ax.set_title(f"{s.kind}: {s.stages} stages, {s.microbatches} micro-batches{chunks}\n"
+                 f"simulated bubble {timeline.bubble:.2%}", fontsize=10)
+    present = {a.kind for a in timeline.start}
+    handles = [Patch(facecolor=_COLOURS[k], label=f"{k} {_NAMES[k]}") for k in KINDS
+               if k in present]
+    handles += [Patch(facecolor="#888888", edgecolor="white", hatch="//" * j,
+                      label=f"chunk {j}") for j in range(1, s.chunks)]
+    handles.append(Patch(facecolor=_IDLE, label="idle"))
+    fig.legend(handles=handles, loc="lower center", ncols=len(handles), frameon=False,
+               fontsize=8, borderaxespad=0.3)
+    return fig

@@ -24,8 +24,8 @@ import fuelspmd
 from fuelspmd.pipeline_parallel import schedule, simulate
 from fuelspmd.pipeline_parallel.render import (
     READABLE_PX,
+    figure,
     narrowest_action_px,
-    png,
     width_for,
 )
 
@@ -138,14 +138,36 @@ def test_a_png_too_narrow_for_its_actions_warns_with_the_width_that_fits(
 
 
 def test_narrow_actions_keep_their_colour() -> None:
-    """Below READABLE_PX the white seam between actions is left out: it would cover them."""
+    """Below READABLE_PX the white seams between actions are left out: they would cover
+    them."""
     timeline = simulate(schedule("1f1b", 4, 256), 1.0, 1.0, 0.0)
     assert narrowest_action_px(timeline) < READABLE_PX
-    from test_pipeline_cli import decode_png
-    img = decode_png(png(timeline))
-    row = img[6 + 14, 34:-8]  # the middle line of rank 0's row, along the time axis
-    white = (row == 255).all(axis=1).mean()
-    assert white < 0.05, f"{white:.0%} of rank 0's row is white"
+    bars = figure(timeline).axes[0].collections[1:]
+    assert bars and all((c.get_linewidths() == 0).all() for c in bars)
+    wide = figure(timeline, width=width_for(timeline)).axes[0].collections[1:]
+    assert all((c.get_linewidths() > 0).all() for c in wide)
+
+
+def test_png_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    """matplotlib is the ``plot`` extra: without it ``--png`` is refused before any work,
+    in one line, and everything else runs (importing fuelspmd never needs it)."""
+    target = tmp_path / "x.png"
+    blocked = ("import sys; sys.modules['matplotlib'] = None; from fuelspmd.cli import main; "
+               "raise SystemExit(main(sys.argv[1:]))")
+    job = run_job([sys.executable, "-c", blocked, "schedule", "--png", str(target)],
+                  deadline=60)
+    assert job.code == 2 and job.out == "", job.out
+    assert job.err == ("fuelspmd schedule: --png needs matplotlib, which is not installed; "
+                       "pip install 'fuelspmd[plot]'\n")
+    assert not target.exists()
+    job = run_job([sys.executable, "-c", blocked, "schedule"], deadline=60)
+    assert job.code == 0 and "bubble" in job.out, job.err
+
+
+def test_png_of_an_unknown_format_is_refused(tmp_path: Path) -> None:
+    job = run_job([*FUELSPMD, "schedule", "--png", str(tmp_path / "x.jpg")], deadline=60)
+    assert job.code == 2 and job.out == "", job.out
+    assert job.err.endswith("give a file name ending in .png, .svg or .pdf\n"), job.err
 
 
 def test_plan_says_why_a_prime_gpu_count_has_no_layout() -> None:

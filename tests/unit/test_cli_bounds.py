@@ -44,7 +44,7 @@ def _refused(main: object, argv: list[str], capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize(("argv", "said"), [
     (["--png-width", "100000000", "--png", "x.png"],
-     "--png-width: 100000000 is outside the range; give a whole number from 100 to 32768"),
+     "--png-width: 100000000 is outside the range; give a whole number from 400 to 32768"),
     (["--stages", "100000", "--microbatches", "100000"],
      "--stages: 100000 is outside the range; give a whole number from 1 to 32768"),
     (["--stages", "181", "--microbatches", "180"],
@@ -64,8 +64,8 @@ def test_a_picture_too_large_names_the_width_that_fits(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = _refused(schedule_cli.main, ["--stages", "180", "--microbatches", "2", "--png",
                                         str(tmp_path / "x.png"), "--png-width", "32768"], capsys)
-    assert "a 32768 x 6148 px picture is more than the 33554432 px" in line, line
-    assert "(at most 5457)" in line and not (tmp_path / "x.png").exists()
+    assert "a 32768 x 5525 px picture is more than the 33554432 px" in line, line
+    assert "(at most 6073)" in line and not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.parametrize(("argv", "said"), [

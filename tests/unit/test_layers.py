@@ -26,7 +26,7 @@ LAYERS = {
 PLUGIN_MAY_IMPORT = {"fuelspmd", "fuelspmd.transport", "fuelspmd.errors", "fuelspmd.dtypes",
                      "fuelspmd.backend"}
 OPTIONAL = {"mpi4py", "cupy", "cupyx", "torch", "pynvml", "nccl", "ml_dtypes",
-            "array_api_strict", "threadpoolctl", "transformers"}
+            "array_api_strict", "threadpoolctl", "transformers", "matplotlib"}
 
 
 def _unit(module: str) -> str:
@@ -130,7 +130,7 @@ def test_import_loads_no_optional_library_and_starts_nothing() -> None:
         "import sys, threading, pkgutil, importlib, fuelspmd\n"
         "for m in pkgutil.walk_packages(fuelspmd.__path__, 'fuelspmd.'):\n"
         "    if m.name != 'fuelspmd.__main__': importlib.import_module(m.name)\n"
-        "bad = sorted({'mpi4py', 'cupy', 'torch'} & set(sys.modules))\n"
+        "bad = sorted({'mpi4py', 'cupy', 'torch', 'matplotlib'} & set(sys.modules))\n"
         "assert not bad, bad\n"
         "assert threading.active_count() == 1, threading.enumerate()\n"
     )

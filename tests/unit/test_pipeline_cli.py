@@ -1,39 +1,26 @@
-"""``fuelspmd schedule`` and the renderers: the grid, the figures, and a PNG that decodes."""
+"""``fuelspmd schedule`` and the renderers: the grid, the figures, and the picture
+(matplotlib's Figure read back: its bars, title and legend)."""
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
+from matplotlib.collections import PolyCollection
 
 from fuelspmd.cli import main as fuelspmd_main
 from fuelspmd.cli.schedule import main
 from fuelspmd.pipeline_parallel import Action, schedule, simulate
-from fuelspmd.pipeline_parallel.render import chrome_trace, grid, png
+from fuelspmd.pipeline_parallel.render import chrome_trace, figure, figure_height, grid
 
 
-def decode_png(data: bytes) -> np.ndarray:
-    """Read back an 8-bit RGB PNG with filter 0 rows (what render writes)."""
+def png_size(data: bytes) -> tuple[int, int]:
+    """The width and height a PNG's header gives, after its signature."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width = 8, b"", 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        tag, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(tag + body)
-        if tag == b"IHDR":
-            width, height, depth, color = struct.unpack(">IIBB", body[:10])
-            assert (depth, color) == (8, 2)
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(height, width, 3)
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
 
 
 def test_grid_one_cell_per_action() -> None:
@@ -55,21 +42,54 @@ def test_grid_marks_longer_actions_and_colours() -> None:
     assert "\x1b[34m" in grid(tl, color=True)
 
 
-def test_png_draws_every_action(tmp_path: Path) -> None:
+def _bars(fig: object) -> list[PolyCollection]:
+    """The figure's action bars: every PolyCollection but the first (the idle rows)."""
+    return [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)][1:]  # type: ignore[attr-defined]
+
+
+def test_figure_draws_every_action_with_title_and_legend() -> None:
     tl = simulate(schedule("1f1b", 3, 4), 1.0, 2.0)
-    img = decode_png(png(tl, width=600))
-    assert img.shape == (6 + 3 * (28 + 6) + 10 + 12, 600, 3)
-    # the middle of rank 0's first action is blue-ish (forward), of its last green-ish
-    px = (600 - 34 - 8) / tl.makespan
-    y = 6 + 2
-    first = next(a for a in tl.start if a.stage == 0 and a.kind == "F" and a.microbatch == 0)
-    x = 34 + round((tl.start[first] + 0.1) * px)
-    r, g, b = img[y, x].astype(int)
-    assert b > r and b > 200
-    last = next(a for a in tl.start if a.stage == 0 and a.kind == "B" and a.microbatch == 3)
-    x = 34 + round((tl.start[last] + 0.1) * px)
-    r, g, b = img[y, x].astype(int)
-    assert g > r and g > b
+    fig = figure(tl, width=600, time_unit="time, in forwards")
+    assert (fig.get_figwidth() * fig.dpi, fig.get_figheight() * fig.dpi) == (
+        600, figure_height(3))
+    bars = _bars(fig)
+    assert sum(len(c.get_paths()) for c in bars) == len(tl.start) == 3 * 2 * 4
+    # one collection per kind: forwards blue (F0 the darkest), backwards green
+    forwards, backwards = (c.get_facecolors() for c in bars)
+    assert forwards[0][2] > 0.9 and forwards[0][2] > forwards[0][0]
+    assert backwards[0][1] > backwards[0][0] and backwards[0][1] > backwards[0][2]
+    ax = fig.axes[0]
+    assert ax.get_title() == "1f1b: 3 stages, 4 micro-batches\nsimulated bubble 33.33%"
+    assert f"{tl.bubble:.2%}" == "33.33%"
+    assert ax.get_xlabel() == "time, in forwards"
+    assert ax.get_xlim() == (0, tl.makespan)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == ["F forward", "B backward", "idle"]
+    assert {t.get_text() for t in ax.texts} == {f"{k}{i}" for k in "FB" for i in range(4)}
+
+
+@pytest.mark.parametrize(("kind", "chunks", "legend", "title"), [
+    ("zb-h1", 1, ["F forward", "I input gradient", "W weight gradient", "idle"],
+     "zb-h1: 4 stages, 8 micro-batches\nsimulated bubble 11.11%"),
+    ("interleaved", 2, ["F forward", "B backward", "chunk 1", "idle"],
+     "interleaved: 4 stages, 8 micro-batches, 2 chunks per rank\nsimulated bubble 15.79%"),
+])
+def test_figure_names_every_kind_and_chunk(kind: str, chunks: int, legend: list[str],
+                                           title: str) -> None:
+    t = 1.0 / chunks
+    fig = figure(simulate(schedule(kind, 4, 8, chunks), t, t, t_w=t))
+    assert [x.get_text() for x in fig.legends[0].get_texts()] == legend
+    assert fig.axes[0].get_title() == title
+    hatches = sorted(str(c.get_hatch()) for c in _bars(fig))
+    assert hatches == (["//", "//", "None", "None"] if chunks == 2 else ["None"] * 3)
+
+
+def test_cli_writes_the_format_of_the_suffix(tmp_path: Path) -> None:
+    for suffix, magic in ((".svg", b"<?xml"), (".pdf", b"%PDF-"), (".PNG", b"\x89PNG")):
+        out = tmp_path / f"s{suffix}"
+        assert main(["--stages", "2", "--microbatches", "2", "--png", str(out)]) == 0
+        assert out.read_bytes().startswith(magic)
 
 
 def test_cli_prints_grid_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,7 +102,7 @@ def test_cli_prints_grid_and_figures(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "(formula (p-1)/(m+p-1) = 27.27%)" in text
     assert "rank 0: 4 rank 1: 3 rank 2: 2 rank 3: 1" in text
     assert "\x1b[" not in text  # not a tty: no colour
-    assert decode_png(out.read_bytes()).shape[1] == 1200
+    assert png_size(out.read_bytes()) == (1200, figure_height(4))
 
 
 def test_cli_interleaved_and_zero_bubble(capsys: pytest.CaptureFixture[str]) -> None:
